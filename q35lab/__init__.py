@@ -1,0 +1,21 @@
+"""q35lab: fast, faithful training kernels for Qwen3.5, and the notebooks that derive them.
+
+Importing q35lab compiles nothing. Without a CUDA device its Triton kernels run through the
+Triton interpreter (see ``q35lab.runtime``), which must be decided before any kernel is
+defined, hence ``runtime`` is imported first.
+"""
+
+from . import runtime  # noqa: F401  (first: chooses compiled Triton or the interpreter)
+from .ops.offset_rms_norm import OffsetRMSNorm, offset_rms_norm
+from .patch import PatchReport, apply_to_qwen3_5, revert
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "OffsetRMSNorm",
+    "offset_rms_norm",
+    "apply_to_qwen3_5",
+    "revert",
+    "PatchReport",
+    "__version__",
+]

@@ -1,0 +1,52 @@
+"""Input checks shared by every op: a wrong input fails loudly, naming the argument."""
+
+from __future__ import annotations
+
+import torch
+
+#: The activation dtypes every kernel supports.
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_float_tensor(name: str, value: object) -> torch.Tensor:
+    """Return ``value`` if it is a bf16/fp16/fp32 tensor, else raise ``TypeError`` naming it."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if value.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name}: expected dtype bfloat16, float16 or float32, got {value.dtype}"
+        )
+    return value
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless all ``tensors`` live on one device."""
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        listed = ", ".join(f"{name} on {dev}" for name, dev in devices.items())
+        raise ValueError(f"expected all tensors on one device, got {listed}")
+
+
+def check_weight(name: str, weight: torch.Tensor, width: int) -> None:
+    """Raise ``ValueError`` unless ``weight`` is a 1-D vector of length ``width``."""
+    if weight.dim() != 1 or weight.shape[0] != width:
+        raise ValueError(
+            f"{name}: expected a 1-D tensor of size {width} (the last dimension of x), "
+            f"got shape {tuple(weight.shape)}"
+        )
+
+
+def check_eps(eps: object) -> float:
+    """Return ``eps`` as a float if it is a finite number > 0, else raise ``ValueError``."""
+    try:
+        value = float(eps)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise TypeError(f"eps: expected a positive float, got {eps!r}") from None
+    if not (value > 0.0 and value < float("inf")):
+        raise ValueError(f"eps: expected a positive finite float, got {eps!r}")
+    return value
+
+
+def rows_view(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a contiguous ``[rows, width]`` matrix (one copy only if ``x`` is strided)."""
+    return x.reshape(-1, x.shape[-1]).contiguous()

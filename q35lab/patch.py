@@ -1,0 +1,128 @@
+"""Patch a transformers Qwen3.5 model (bare, or wrapped by PEFT) with q35lab's kernels.
+
+``apply_to_qwen3_5`` walks the module tree and swaps each module it knows for q35lab's
+equivalent *in place*, reusing the original parameters (same objects, so optimizers, PEFT and
+checkpoints keep seeing them). ``revert`` puts the originals back. Both are idempotent.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from .ops.offset_rms_norm import OffsetRMSNorm
+
+__all__ = ["PatchReport", "apply_to_qwen3_5", "revert"]
+
+#: transformers classes computing x̂·(1+w) with Gemma-style casting (checked line by line
+#: against ``offset_rms_norm_ref`` in tests/test_patch.py).
+OFFSET_RMS_NORM_CLASSES = ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")
+
+#: Optimizations whose issues have not landed yet: the flag is accepted, nothing is done.
+_NOT_YET = {
+    "gated_norm": "not implemented yet (gated RMSNorm fusion, issue 3)",
+    "lora": "not implemented yet (LoRA without the PEFT cast tax, issue 4)",
+    "in_proj": "not implemented yet (in_proj fusion, issue 5)",
+    "flce": "not implemented yet (fused linear cross entropy, issue 6)",
+}
+
+_ORIGINAL = "_q35lab_original"  # attribute of a patched module: the module it replaced
+
+
+@dataclass
+class PatchReport:
+    """What ``apply_to_qwen3_5`` (or ``revert``) did, counted by the class it replaced."""
+
+    replaced: Counter = field(default_factory=Counter)  # original class name → count
+    already_patched: int = 0
+    not_applied: dict = field(default_factory=dict)  # flag → why it did nothing
+    reverted: Counter = field(default_factory=Counter)
+
+    @property
+    def total(self) -> int:
+        return sum(self.replaced.values())
+
+    @property
+    def nothing_to_patch(self) -> bool:
+        return self.total == 0 and self.already_patched == 0 and not self.reverted
+
+    def __str__(self) -> str:
+        lines = []
+        for name, count in sorted(self.replaced.items()):
+            lines.append(f"replaced {count} × {name}")
+        for name, count in sorted(self.reverted.items()):
+            lines.append(f"restored {count} × {name}")
+        if self.already_patched:
+            lines.append(f"{self.already_patched} module(s) already patched, left as they are")
+        if self.nothing_to_patch:
+            lines.append("nothing to patch: no Qwen3.5 module found")
+        for flag, why in self.not_applied.items():
+            lines.append(f"{flag}: {why}")
+        return "PatchReport(\n  " + "\n  ".join(lines) + "\n)"
+
+
+def _named_children_everywhere(model: torch.nn.Module):
+    """Yield (parent, attribute name, child) for every submodule, parents first."""
+    for parent in model.modules():
+        for name, child in list(parent.named_children()):
+            yield parent, name, child
+
+
+def _offset_norm_from(original: torch.nn.Module) -> OffsetRMSNorm:
+    """An OffsetRMSNorm sharing ``original``'s weight Parameter and eps."""
+    weight = original.weight
+    patched = OffsetRMSNorm(weight.shape[0], eps=original.eps, device="meta")
+    patched.weight = weight  # the same Parameter object: training state carries over
+    patched.train(original.training)
+    object.__setattr__(patched, _ORIGINAL, original)  # not a submodule: no duplicate state
+    return patched
+
+
+def apply_to_qwen3_5(
+    model: torch.nn.Module,
+    *,
+    rms_norm: bool = True,
+    gated_norm: bool = True,
+    lora: bool = True,
+    in_proj: bool = True,
+    flce: bool = True,
+) -> PatchReport:
+    """Replace Qwen3.5's modules by q35lab's kernels, in place; returns what was done.
+
+    Works on ``Qwen3_5ForCausalLM``, ``Qwen3_5ForConditionalGeneration``, the MoE variants and
+    any PEFT wrapper around them. Patching twice is harmless (the second report counts the
+    modules as already patched).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    report = PatchReport()
+    for flag, enabled in (("gated_norm", gated_norm), ("lora", lora), ("in_proj", in_proj), ("flce", flce)):
+        if enabled:
+            report.not_applied[flag] = _NOT_YET[flag]
+    if not rms_norm:
+        report.not_applied["rms_norm"] = "disabled by the caller"
+        return report
+    for parent, name, child in _named_children_everywhere(model):
+        if isinstance(child, OffsetRMSNorm) and hasattr(child, _ORIGINAL):
+            report.already_patched += 1
+        elif type(child).__name__ in OFFSET_RMS_NORM_CLASSES:
+            setattr(parent, name, _offset_norm_from(child))
+            report.replaced[type(child).__name__] += 1
+    return report
+
+
+def revert(model: torch.nn.Module) -> PatchReport:
+    """Undo ``apply_to_qwen3_5``: every patched module gets its original back (same weights)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    report = PatchReport()
+    for parent, name, child in _named_children_everywhere(model):
+        original = getattr(child, _ORIGINAL, None)
+        if original is not None:
+            original.weight = child.weight  # keep any Parameter swap made while patched
+            original.train(child.training)
+            setattr(parent, name, original)
+            report.reverted[type(original).__name__] += 1
+    return report

@@ -1,0 +1,112 @@
+"""Where q35lab's kernels run: compiled on a GPU, or through the Triton interpreter on a CPU.
+
+Triton decides between compiling and interpreting when a kernel is *defined* (``@triton.jit``
+reads ``TRITON_INTERPRET`` at decoration time), so the choice must be made before any
+``q35lab.ops`` module is imported. ``q35lab/__init__.py`` imports this module first.
+
+The rule:
+
+* ``Q35LAB_INTERPRET=1`` forces the interpreter, ``Q35LAB_INTERPRET=0`` forbids it;
+* otherwise an explicit ``TRITON_INTERPRET`` set by the user is respected;
+* otherwise the interpreter is chosen exactly when no CUDA device is visible.
+
+On a GPU the interpreter is never chosen unless asked for. When it is chosen automatically,
+one short notice says so.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+__all__ = ["INTERPRET", "DEVICE", "device", "smoke", "Q35labNotice"]
+
+
+class Q35labNotice(UserWarning):
+    """An informational notice from q35lab (filter it with ``warnings.simplefilter``)."""
+
+
+def _env_flag(name: str) -> bool | None:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return None
+    value = value.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"environment variable {name}={value!r}: expected 1 or 0")
+
+
+def _choose_interpreter() -> tuple[bool, str]:
+    forced = _env_flag("Q35LAB_INTERPRET")
+    if forced is not None:
+        return forced, "Q35LAB_INTERPRET"
+    user_choice = _env_flag("TRITON_INTERPRET")
+    if user_choice is not None:
+        return user_choice, "TRITON_INTERPRET"
+    return not torch.cuda.is_available(), "auto"
+
+
+INTERPRET, _REASON = _choose_interpreter()
+if INTERPRET:
+    # Must happen before any @triton.jit in q35lab.ops runs.
+    os.environ["TRITON_INTERPRET"] = "1"
+    if _REASON == "auto":
+        warnings.warn(
+            "q35lab: no CUDA device, so Triton kernels run through the Triton interpreter "
+            "(correct, not fast; set Q35LAB_INTERPRET=0 to refuse).",
+            Q35labNotice,
+            stacklevel=2,
+        )
+elif _REASON == "Q35LAB_INTERPRET":
+    os.environ.pop("TRITON_INTERPRET", None)
+
+def _round_bf16_to_nearest_in_interpreter() -> None:
+    """Make the interpreter round fp32 → bf16 to nearest-even, as the GPU's ``cvt.rn`` does.
+
+    Triton's interpreter (3.x, ``InterpreterBuilder.cast_impl``) converts fp32 to bf16 by
+    dropping the low 16 bits: truncation, up to one bf16 ulp off. A kernel that rounds correctly
+    on the GPU would then fail a numerics test on the CPU. Only that one conversion is replaced,
+    with PyTorch's (round to nearest, ties to even); if the interpreter's internals differ, it is
+    left alone.
+    """
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - Triton without an interpreter
+        return
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    original = getattr(builder, "cast_impl", None)
+    if original is None or getattr(original, "_q35lab_rtne", False):
+        return
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            as_bf16 = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch.bfloat16)
+            return interpreter.TensorHandle(as_bf16.view(torch.int16).numpy().view(np.uint16), dst_type.scalar)
+        return original(self, src, dst_type)
+
+    cast_impl._q35lab_rtne = True
+    builder.cast_impl = cast_impl
+
+
+if INTERPRET:
+    _round_bf16_to_nearest_in_interpreter()
+
+
+#: The device q35lab puts tensors on: the interpreter runs on CPU tensors.
+DEVICE = torch.device("cpu") if INTERPRET or not torch.cuda.is_available() else torch.device("cuda")
+
+
+def device() -> torch.device:
+    """The device kernels run on (CPU tensors under the interpreter)."""
+    return DEVICE
+
+
+def smoke() -> bool:
+    """True when only correctness can be checked: tiny sizes, no timings worth reporting."""
+    return INTERPRET or DEVICE.type != "cuda"

@@ -1,0 +1,22 @@
+import random
+
+import pytest
+import torch
+
+import q35lab  # noqa: F401  (selects the interpreter before any kernel is defined)
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed(request):
+    """Fresh random inputs every run; the seed is printed with a failure so it can be replayed."""
+    seed = random.randrange(2**31)
+    torch.manual_seed(seed)
+    request.node.user_properties.append(("seed", seed))
+    yield seed
+
+
+def pytest_runtest_makereport(item, call):
+    if call.excinfo is not None:
+        for key, value in item.user_properties:
+            if key == "seed":
+                call.excinfo.value.args = (*call.excinfo.value.args, f"(torch seed {value})") if call.excinfo.value.args else (f"(torch seed {value})",)

@@ -1,0 +1,157 @@
+"""The offset RMSNorm kernel against transformers' math, by the numerics rule of DESIGN.md."""
+
+import pytest
+import torch
+
+import q35lab
+from q35lab.numerics import agreement, assert_close_by_rule
+from q35lab.ops.offset_rms_norm import OffsetRMSNorm, offset_rms_norm, offset_rms_norm_ref
+from q35lab.runtime import device
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _grads(fn, x, w, dy):
+    y = fn(x, w)
+    wanted = [t for t in (x, w) if t.requires_grad]
+    grads = torch.autograd.grad(y, wanted, dy)
+    return y, grads
+
+
+def _check(shape, dtype, w_requires_grad=True, scale=1.0):
+    dev = device()
+    limit = torch.finfo(dtype).max / 2  # large, but an input, not an overflow
+    x = (torch.randn(shape, device=dev) * scale).clamp(-limit, limit).to(dtype).requires_grad_()
+    w = (0.1 * torch.randn(shape[-1], device=dev)).to(dtype).requires_grad_(w_requires_grad)
+    dy = torch.randn(shape, device=dev).to(dtype)
+
+    out, out_grads = _grads(offset_rms_norm, x, w, dy)
+    ref, ref_grads = _grads(offset_rms_norm_ref, x, w, dy)
+    x64 = x.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_(w_requires_grad)
+    ref64, ref64_grads = _grads(offset_rms_norm_ref, x64, w64, dy.double())
+
+    assert out.shape == x.shape and out.dtype == dtype
+    assert torch.isfinite(out).all()
+    assert_close_by_rule("y", out, ref, ref64)
+    names = ["dx", "dw"][: len(out_grads)]
+    for name, g, gr, g64 in zip(names, out_grads, ref_grads, ref64_grads):
+        assert g.dtype == (x.dtype if name == "dx" else w.dtype)
+        assert_close_by_rule(name, g, gr, g64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 64), (3, 7, 128), (17, 256), (5, 1000), (2, 3, 37), (1, 5120), (33, 96)],
+    ids=lambda s: "x".join(map(str, s)),
+)
+def test_forward_and_gradients_match_reference(shape, dtype):
+    _check(shape, dtype)
+
+
+@pytest.mark.parametrize("n_rows", [1, 5, 67])  # the backward splits rows over 4 programs on CPU
+def test_weight_gradient_reduction_over_programs(n_rows):
+    _check((n_rows, 4096), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_frozen_weight_gets_no_gradient(dtype):
+    _check((9, 48), dtype, w_requires_grad=False)
+    x = torch.randn(4, 48, device=device(), dtype=dtype, requires_grad=True)
+    w = torch.zeros(48, device=device(), dtype=dtype)
+    offset_rms_norm(x, w).sum().backward()
+    assert w.grad is None and x.grad is not None
+
+
+def test_weight_only_gradient():
+    x = torch.randn(6, 40, device=device())
+    w = (0.1 * torch.randn(40, device=device())).requires_grad_()
+    (dw,) = torch.autograd.grad(offset_rms_norm(x, w).square().sum(), [w])
+    (dw_ref,) = torch.autograd.grad(offset_rms_norm_ref(x, w).square().sum(), [w])
+    torch.testing.assert_close(dw, dw_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_non_contiguous_input():
+    base = torch.randn(8, 130, device=device())
+    x = base[:, 1:129].requires_grad_()  # strided rows
+    xt = torch.randn(64, 12, device=device()).t()  # transposed
+    w = 0.1 * torch.randn(128, device=device())
+    assert not x.is_contiguous()
+    torch.testing.assert_close(offset_rms_norm(x, w), offset_rms_norm_ref(x, w), rtol=1e-5, atol=1e-5)
+    wt = 0.1 * torch.randn(64, device=device())
+    torch.testing.assert_close(offset_rms_norm(xt, wt), offset_rms_norm_ref(xt, wt), rtol=1e-5, atol=1e-5)
+    dy = torch.randn_like(x)
+    (dx,) = torch.autograd.grad(offset_rms_norm(x, w), [x], dy)
+    (dx_ref,) = torch.autograd.grad(offset_rms_norm_ref(x, w), [x], dy)
+    torch.testing.assert_close(dx, dx_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_zero_rows_and_empty_input_stay_finite():
+    x = torch.randn(5, 64, device=device(), dtype=torch.bfloat16)
+    x[2] = 0.0
+    x.requires_grad_()
+    w = (0.1 * torch.randn(64, device=device())).requires_grad_()
+    y = offset_rms_norm(x, w)
+    assert torch.all(y[2] == 0)
+    dx, dw = torch.autograd.grad(y, [x, w], torch.ones_like(y))
+    assert torch.isfinite(y).all() and torch.isfinite(dx).all() and torch.isfinite(dw).all()
+
+    empty = torch.randn(0, 64, device=device(), requires_grad=True)
+    y0 = offset_rms_norm(empty, w)
+    assert y0.shape == (0, 64)
+    dx0, dw0 = torch.autograd.grad(y0, [empty, w], torch.ones_like(y0))
+    assert dx0.shape == (0, 64) and torch.all(dw0 == 0)
+
+
+@pytest.mark.parametrize("dtype,scale", [(torch.float16, 3e4), (torch.bfloat16, 1e18), (torch.float32, 1e18)])
+def test_very_large_values_stay_finite(dtype, scale):
+    _check((7, 96), dtype, scale=scale)
+
+
+def test_bf16_agrees_with_transformers_module():
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    hf = Qwen3_5RMSNorm(256).to(device=device(), dtype=torch.bfloat16)
+    with torch.no_grad():
+        hf.weight.normal_(0, 0.1)
+    ours = OffsetRMSNorm(256).to(device=device(), dtype=torch.bfloat16)
+    ours.load_state_dict(hf.state_dict())
+    x = torch.randn(33, 256, device=device(), dtype=torch.bfloat16)
+    stats = agreement(ours(x), hf(x))
+    assert stats["max_ulp"] <= 1
+    assert stats["rel_err"] <= 2e-5 or stats["frac_differ"] < 0.01
+
+
+def test_module_is_a_drop_in():
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    ours, hf = OffsetRMSNorm(48, eps=1e-5), Qwen3_5RMSNorm(48, eps=1e-5)
+    assert list(ours.state_dict()) == list(hf.state_dict()) == ["weight"]
+    assert torch.all(ours.weight == 0)
+    assert repr(ours).endswith("OffsetRMSNorm((48,), eps=1e-05)")
+    assert q35lab.OffsetRMSNorm is OffsetRMSNorm and q35lab.offset_rms_norm is offset_rms_norm
+
+
+@pytest.mark.parametrize(
+    "args,error,message",
+    [
+        ((torch.randn(4, 8), torch.zeros(9)), ValueError, "weight: expected a 1-D tensor of size 8"),
+        ((torch.randn(4, 8), torch.zeros(2, 4)), ValueError, "weight: expected a 1-D tensor"),
+        ((torch.ones(4, 8, dtype=torch.int32), torch.zeros(8)), TypeError, "x: expected dtype"),
+        ((torch.randn(4, 8, dtype=torch.float64), torch.zeros(8)), TypeError, "x: expected dtype"),
+        ((torch.randn(4, 8), torch.zeros(8, dtype=torch.int64)), TypeError, "weight: expected dtype"),
+        ((torch.randn(4, 8), torch.zeros(8).tolist()), TypeError, "weight: expected a torch.Tensor"),
+        ((torch.randn(4, 8), torch.zeros(8), -1.0), ValueError, "eps: expected a positive"),
+        ((torch.tensor(1.0), torch.zeros(1)), ValueError, "x: expected at least one dimension"),
+    ],
+)
+def test_bad_input_raises_naming_the_argument(args, error, message):
+    with pytest.raises(error, match=message):
+        offset_rms_norm(*args)
+
+
+def test_mismatched_devices_raise():
+    x = torch.randn(4, 8, device="meta")
+    with pytest.raises(ValueError, match="one device"):
+        offset_rms_norm(x, torch.zeros(8))

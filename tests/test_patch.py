@@ -1,0 +1,131 @@
+"""apply_to_qwen3_5 / revert on tiny transformers Qwen3.5 models, bare and under PEFT."""
+
+import copy
+
+import pytest
+import torch
+
+import q35lab
+from q35lab.ops.offset_rms_norm import OffsetRMSNorm, OffsetRMSNormFunction
+
+from tiny_models import causal_lm, moe_causal_lm, multimodal
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach(), out.loss.detach(), grads
+
+
+def _assert_same_step(a, b):
+    logits_a, loss_a, grads_a = a
+    logits_b, loss_b, grads_b = b
+    torch.testing.assert_close(logits_a, logits_b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-6, atol=1e-6)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("build,norm_class", [(causal_lm, "Qwen3_5RMSNorm"), (moe_causal_lm, "Qwen3_5MoeRMSNorm")])
+def test_same_logits_loss_and_gradients_patched_unpatched_reverted(build, norm_class):
+    model = build()
+    ids = torch.randint(0, 128, (2, 11))
+    before = _loss_and_grads(model, ids)
+    n_norms = sum(type(m).__name__ == norm_class for m in model.modules())
+
+    report = q35lab.apply_to_qwen3_5(model)
+    assert report.replaced == {norm_class: n_norms} and n_norms == 7  # 2 layers × 2, q/k norm, final
+    assert not any(type(m).__name__ == norm_class for m in model.modules())
+    _assert_same_step(before, _loss_and_grads(model, ids))
+
+    undone = q35lab.revert(model)
+    assert undone.reverted == {norm_class: n_norms}
+    assert not any(isinstance(m, OffsetRMSNorm) for m in model.modules())
+    _assert_same_step(before, _loss_and_grads(model, ids))
+
+
+def test_forward_goes_through_the_kernel(monkeypatch):
+    model = causal_lm()
+    q35lab.apply_to_qwen3_5(model)
+    calls = []
+    original = OffsetRMSNormFunction.forward
+
+    def counting(ctx, *args):
+        calls.append(args[0].shape)
+        return original(ctx, *args)
+
+    monkeypatch.setattr(OffsetRMSNormFunction, "forward", staticmethod(counting))
+    model(input_ids=torch.randint(0, 128, (1, 5)))
+    assert len(calls) == 7
+
+
+def test_parameters_are_shared_not_copied():
+    model = causal_lm()
+    params_before = {n: p for n, p in model.named_parameters()}
+    state_before = copy.deepcopy(model.state_dict())
+    q35lab.apply_to_qwen3_5(model)
+    params_after = dict(model.named_parameters())
+    assert params_after.keys() == params_before.keys()
+    assert all(params_after[n] is params_before[n] for n in params_before)
+    assert model.state_dict().keys() == state_before.keys()
+    # an optimizer step taken while patched is seen after revert
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)
+    q35lab.revert(model)
+    torch.testing.assert_close(model.model.norm.weight, state_before["model.norm.weight"] + 1.0)
+
+
+def test_multimodal_model_is_patched():
+    model = multimodal()
+    n_norms = sum(type(m).__name__ == "Qwen3_5RMSNorm" for m in model.modules())
+    report = q35lab.apply_to_qwen3_5(model)
+    assert report.replaced == {"Qwen3_5RMSNorm": n_norms} and n_norms >= 7
+    ids = torch.randint(0, 100, (1, 6))
+    assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+def test_patching_twice_is_harmless_and_reported():
+    model = causal_lm()
+    first = q35lab.apply_to_qwen3_5(model)
+    second = q35lab.apply_to_qwen3_5(model)
+    assert first.total == 7 and second.total == 0 and second.already_patched == 7
+    assert "already patched" in str(second)
+    q35lab.revert(model)
+    assert q35lab.revert(model).reverted == {}
+
+
+def test_model_with_nothing_to_patch():
+    report = q35lab.apply_to_qwen3_5(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)))
+    assert report.nothing_to_patch and "nothing to patch" in str(report)
+
+
+def test_flags_of_later_optimizations_are_reported_not_applied():
+    report = q35lab.apply_to_qwen3_5(causal_lm(), gated_norm=True, lora=True, in_proj=True, flce=True)
+    assert set(report.not_applied) == {"gated_norm", "lora", "in_proj", "flce"}
+    assert all("not implemented yet" in why for why in report.not_applied.values())
+    off = q35lab.apply_to_qwen3_5(causal_lm(), rms_norm=False, gated_norm=False, lora=False, in_proj=False, flce=False)
+    assert off.total == 0 and off.not_applied == {"rms_norm": "disabled by the caller"}
+
+
+def test_bad_model_argument():
+    with pytest.raises(TypeError, match="model: expected a torch.nn.Module"):
+        q35lab.apply_to_qwen3_5("Qwen/Qwen3.5-9B")
+
+
+def test_peft_wrapped_model():
+    peft = pytest.importorskip("peft")
+    model = causal_lm()
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "out_proj"])
+    peft_model = peft.get_peft_model(model, config)
+    ids = torch.randint(0, 128, (2, 7))
+    before = _loss_and_grads(peft_model, ids)
+    assert all(not p.requires_grad for n, p in peft_model.named_parameters() if "norm" in n)
+
+    report = q35lab.apply_to_qwen3_5(peft_model)
+    assert report.replaced == {"Qwen3_5RMSNorm": 7}
+    _assert_same_step(before, _loss_and_grads(peft_model, ids))
+    assert q35lab.revert(peft_model).reverted == {"Qwen3_5RMSNorm": 7}
+    _assert_same_step(before, _loss_and_grads(peft_model, ids))

@@ -1,0 +1,70 @@
+"""The interpreter is chosen before any kernel is defined, with one notice, and can be forced."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+PROBE = (
+    "import warnings, os\n"
+    "with warnings.catch_warnings(record=True) as caught:\n"
+    "    warnings.simplefilter('always')\n"
+    "    import q35lab\n"
+    "from q35lab.ops.offset_rms_norm import _offset_rms_norm_fwd_kernel as k\n"
+    "print(q35lab.runtime.INTERPRET, type(k).__name__, os.environ.get('TRITON_INTERPRET'),\n"
+    "      sum(issubclass(w.category, q35lab.runtime.Q35labNotice) for w in caught))\n"
+)
+
+
+def _probe(**env_overrides):
+    env = {k: v for k, v in os.environ.items() if k not in ("Q35LAB_INTERPRET", "TRITON_INTERPRET")}
+    env.update(env_overrides)
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True)
+    return out.stdout.split()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU default")
+def test_cpu_import_selects_interpreter_with_one_notice():
+    interpret, kernel_type, env_value, notices = _probe()
+    assert interpret == "True" and kernel_type == "InterpretedFunction" and env_value == "1"
+    assert notices == "1"
+
+
+def test_forcing_the_interpreter_is_silent():
+    interpret, kernel_type, _, notices = _probe(Q35LAB_INTERPRET="1")
+    assert interpret == "True" and kernel_type == "InterpretedFunction" and notices == "0"
+
+
+def test_refusing_the_interpreter():
+    interpret, kernel_type, env_value, notices = _probe(Q35LAB_INTERPRET="0", TRITON_INTERPRET="1")
+    assert interpret == "False" and kernel_type == "JITFunction" and env_value == "None"
+    assert notices == "0"
+
+
+def test_bad_flag_value_is_named():
+    env = dict(os.environ, Q35LAB_INTERPRET="maybe")
+    out = subprocess.run([sys.executable, "-c", "import q35lab"], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "Q35LAB_INTERPRET" in out.stderr
+
+
+def test_interpreter_rounds_bf16_to_nearest_even():
+    import triton
+    import triton.language as tl
+
+    from q35lab.runtime import INTERPRET, device
+
+    if not INTERPRET:
+        pytest.skip("interpreter only")
+
+    @triton.jit
+    def _cast(X, Y, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(Y + offs, tl.load(X + offs, mask=offs < n).to(tl.bfloat16), mask=offs < n)
+
+    x = torch.randn(1000, device=device()) * 100
+    x[:4] = torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 1.0 + 2**-9])  # ties and below
+    y = torch.empty(1000, dtype=torch.bfloat16, device=device())
+    _cast[(1,)](x, y, 1000, BLOCK=1024)
+    assert torch.equal(y, x.to(torch.bfloat16))

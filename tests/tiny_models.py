@@ -1,0 +1,41 @@
+"""Tiny Qwen3.5 models built from configs: no downloads, seconds on a CPU."""
+
+import torch
+
+TEXT = dict(
+    vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+    head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+    linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"],
+)
+
+
+def _randomise_norms(model: torch.nn.Module) -> torch.nn.Module:
+    """Zero-initialised norm weights would hide a wrong offset: give them random values."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.2)
+    return model
+
+
+def causal_lm() -> torch.nn.Module:
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    return _randomise_norms(Qwen3_5ForCausalLM(Qwen3_5TextConfig(intermediate_size=96, **TEXT)))
+
+
+def multimodal() -> torch.nn.Module:
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64,
+                  patch_size=4, temporal_patch_size=2, spatial_merge_size=2)
+    text = Qwen3_5TextConfig(intermediate_size=96, **TEXT).to_dict()
+    return _randomise_norms(Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)))
+
+
+def moe_causal_lm() -> torch.nn.Module:
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    config = Qwen3_5MoeTextConfig(moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                                  num_experts=4, num_experts_per_tok=2, **TEXT)
+    return _randomise_norms(Qwen3_5MoeForCausalLM(config))
