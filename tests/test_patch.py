@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import q35lab
+from q35lab.runtime import device
 from q35lab.ops.offset_rms_norm import OffsetRMSNorm, OffsetRMSNormFunction
 
 from tiny_models import causal_lm, moe_causal_lm, multimodal
@@ -32,7 +33,7 @@ def _assert_same_step(a, b):
 @pytest.mark.parametrize("build,norm_class", [(causal_lm, "Qwen3_5RMSNorm"), (moe_causal_lm, "Qwen3_5MoeRMSNorm")])
 def test_same_logits_loss_and_gradients_patched_unpatched_reverted(build, norm_class):
     model = build()
-    ids = torch.randint(0, 128, (2, 11))
+    ids = torch.randint(0, 128, (2, 11), device=device())
     before = _loss_and_grads(model, ids)
     n_norms = sum(type(m).__name__ == norm_class for m in model.modules())
 
@@ -58,7 +59,7 @@ def test_forward_goes_through_the_kernel(monkeypatch):
         return original(ctx, *args)
 
     monkeypatch.setattr(OffsetRMSNormFunction, "forward", staticmethod(counting))
-    model(input_ids=torch.randint(0, 128, (1, 5)))
+    model(input_ids=torch.randint(0, 128, (1, 5), device=device()))
     assert len(calls) == 7
 
 
@@ -83,7 +84,7 @@ def test_multimodal_model_is_patched():
     n_norms = sum(type(m).__name__ == "Qwen3_5RMSNorm" for m in model.modules())
     report = q35lab.apply_to_qwen3_5(model)
     assert report.replaced == {"Qwen3_5RMSNorm": n_norms} and n_norms >= 7
-    ids = torch.randint(0, 100, (1, 6))
+    ids = torch.randint(0, 100, (1, 6), device=device())
     assert torch.isfinite(model(input_ids=ids).logits).all()
 
 
@@ -120,7 +121,7 @@ def test_peft_wrapped_model():
     model = causal_lm()
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "out_proj"])
     peft_model = peft.get_peft_model(model, config)
-    ids = torch.randint(0, 128, (2, 7))
+    ids = torch.randint(0, 128, (2, 7), device=device())
     before = _loss_and_grads(peft_model, ids)
     assert all(not p.requires_grad for n, p in peft_model.named_parameters() if "norm" in n)
 

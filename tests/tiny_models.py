@@ -2,6 +2,8 @@
 
 import torch
 
+from q35lab.runtime import device
+
 TEXT = dict(
     vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
     head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -15,7 +17,7 @@ def _randomise_norms(model: torch.nn.Module) -> torch.nn.Module:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(0.0, 0.2)
-    return model
+    return model.to(device())
 
 
 def causal_lm() -> torch.nn.Module:

@@ -1,0 +1,139 @@
+"""The benchmark harness: ``run`` sweeps ops on a GPU, ``smoke`` checks them on a CPU.
+
+Each op lives in its own file here and exposes ``BENCH`` (a ``spec.OpBench``); ops are found by
+listing this package, so adding an op touches neither this file nor ``core``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import pkgutil
+from pathlib import Path
+
+import torch
+
+from .. import runtime
+from . import core
+from .spec import OpBench
+
+__all__ = ["discover", "run", "check", "smoke", "DATA"]
+
+#: data/ at the root of the checkout: data/bench/<gpu>/<op>.csv, data/figures/.
+DATA = Path(__file__).resolve().parents[2] / "data"
+
+
+def discover() -> dict[str, OpBench]:
+    """Every op benchmark in this package, by name."""
+    found = {}
+    for info in pkgutil.iter_modules(__path__):
+        if info.name in ("core", "spec"):
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        bench = getattr(module, "BENCH", None)
+        if isinstance(bench, OpBench):
+            found[bench.name] = bench
+    return found
+
+
+def _select(ops) -> list[OpBench]:
+    available = discover()
+    if not ops:
+        return list(available.values())
+    unknown = [op for op in ops if op not in available]
+    if unknown:
+        raise ValueError(f"ops: unknown {unknown}; expected some of {sorted(available)}")
+    return [available[op] for op in ops]
+
+
+def _missing(modules: tuple[str, ...]) -> str:
+    absent = [m for m in modules if importlib.util.find_spec(m) is None]
+    return f"not installed: {', '.join(absent)}" if absent else ""
+
+
+def _pass_calls(make, inputs_sets: list[dict], pass_: str):
+    """One zero-argument callable per input set, running ``pass_`` of an implementation."""
+    calls = []
+    for inputs in inputs_sets:
+        forward, grad_tensors, dy = make(inputs)
+        if pass_ == "fwd":
+            calls.append(forward)
+        elif pass_ == "bwd":
+            out = forward()
+            calls.append(lambda out=out, g=grad_tensors, dy=dy: torch.autograd.grad(out, g, dy, retain_graph=True))
+        else:
+            calls.append(lambda f=forward, g=grad_tensors, dy=dy: torch.autograd.grad(f(), g, dy))
+    return calls
+
+
+def _configure_compile() -> None:
+    """One compiled graph per swept shape: raise Dynamo's recompile limit above the sweep."""
+    import torch._dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 256)
+
+
+def run(ops=None, *, quick: bool = False, out: Path | None = None, progress: bool = True) -> dict[str, Path]:
+    """Sweep ``ops`` on this GPU and write ``<out>/bench/<gpu>/<op>.csv``; returns the paths."""
+    if runtime.smoke():
+        raise RuntimeError("bench.run measures speed and needs a CUDA GPU; on a CPU use bench.smoke()")
+    from tqdm.auto import tqdm
+
+    _configure_compile()
+    out = DATA if out is None else Path(out)
+    info = core.run_info()
+    ceilings = core.measure_ceilings()
+    print(f"{info['gpu']}: copy {ceilings.copy_gbps:.0f} GB/s, bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s")
+    written = {}
+    for bench in _select(ops):
+        sizes = bench.quick if quick else bench.sweep
+        rows = []
+        todo = [(T, impl) for T in sizes for impl in bench.impls]
+        for T, impl_name in tqdm(todo, desc=bench.name, disable=not progress):
+            make, needs = bench.impls[impl_name]
+            skip = _missing(needs)
+            set_bytes = bench.bytes_model(T, "fwd+bwd")
+            n_sets = max(1, min(16, math.ceil(core.ROTATE_BYTES / max(set_bytes, 1))))
+            inputs_sets = [bench.make_inputs(T, runtime.device()) for _ in range(n_sets)] if not skip else []
+            for pass_ in bench.passes:
+                case = core.Case(bench.name, impl_name, pass_, T, bytes=bench.bytes_model(T, pass_))
+                if skip:
+                    timing = core.Timing(status="skipped", note=skip)
+                else:
+                    try:
+                        timing = core.measure(_pass_calls(make, inputs_sets, pass_))
+                    except torch.cuda.OutOfMemoryError:
+                        timing = core.Timing(status="oom", note="out of memory")
+                    except Exception as exc:  # a peer failing is a result, not a crash
+                        timing = core.Timing(status="error", note=f"{type(exc).__name__}: {exc}"[:200])
+                    torch.cuda.empty_cache()
+                rows.append(core.make_row(case, timing, ceilings, info))
+            del inputs_sets
+            torch.cuda.empty_cache()
+        path = out / "bench" / core.gpu_slug(info["gpu"]) / f"{bench.name}.csv"
+        written[bench.name] = core.write_csv(rows, path)
+    return written
+
+
+def check(ops=None, *, sizes: list[int] | None = None, dtypes=(torch.bfloat16, torch.float32)) -> list[dict]:
+    """The numerics rule at each size and dtype; one row per (op, T, dtype, tensor)."""
+    rows = []
+    for bench in _select(ops):
+        for T in sizes or (bench.smoke if runtime.smoke() else bench.quick):
+            for dtype in dtypes:
+                for row in bench.check(T, runtime.device(), dtype):
+                    rows.append({"op": bench.name, "T": T, "dtype": str(dtype).removeprefix("torch."), **row})
+    return rows
+
+
+def smoke(ops=None) -> bool:
+    """Correctness through the interpreter at tiny sizes; prints a table, True if all pass."""
+    rows = check(ops)
+    for r in rows:
+        mark = "ok" if r["ok"] else "FAIL"
+        print(f"{r['op']:<18} T={r['T']:<4} {r['dtype']:<9} {r['tensor']:<3} "
+              f"err {r['kernel_err']:.2e} <= bound {r['bound']:.2e}  {mark}")
+    return all(r["ok"] for r in rows)

@@ -1,0 +1,265 @@
+"""The measurement core shared by every op: ceilings, timing, memory, CSV rows.
+
+What is measured (DESIGN.md, "Measurement"):
+
+* **ceilings**, in the same run: a device-to-device copy (GB/s, bytes read + written) and a bf16
+  matmul (TFLOP/s);
+* **wall** time: median over repetitions of CUDA events around one call, started from an idle
+  GPU, so the host's launch overhead is included — what a training step feels;
+* **kernel** time: the summed device time of every kernel the call launches (PyTorch's
+  profiler), per call — what the kernels themselves are worth;
+* **extra peak memory**: peak allocated during the call minus what was allocated before it.
+
+A per-op file (``q35lab/bench/<op>.py``) supplies the inputs, the implementations and a bytes
+model; this module never needs to change when an op is added.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import math
+import os
+import statistics
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .. import __version__
+
+#: One schema for every op's CSV; one row per (op, impl, pass, T, variant).
+SCHEMA = [
+    "op", "impl", "pass", "T", "variant", "dtype", "status", "note",
+    "wall_ms", "kernel_ms", "bytes", "gbps_kernel", "gbps_wall", "pct_copy_kernel", "pct_copy_wall",
+    "extra_peak_mb", "copy_gbps", "matmul_tflops",
+    "gpu", "torch", "triton", "q35lab", "commit", "date",
+]
+
+PASSES = ("fwd", "bwd", "fwd+bwd")
+
+#: Data kept resident across repetitions so that no case is timed out of L2 by accident
+#: (H100/H200 have 50–60 MB of L2): inputs are rotated until they cover this many bytes.
+ROTATE_BYTES = 256 * 2**20
+
+
+# ----------------------------------------------------------------------------------------------
+# Provenance
+# ----------------------------------------------------------------------------------------------
+def gpu_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def gpu_slug(name: str | None = None) -> str:
+    """'NVIDIA H200' → 'nvidia-h200': the folder under data/bench/."""
+    name = gpu_name() if name is None else name
+    return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split())
+
+
+def _git_commit() -> str:
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        commit = out.stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return (commit + ("+dirty" if dirty else "")) if commit else os.environ.get("Q35LAB_COMMIT", "unknown")
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("Q35LAB_COMMIT", "unknown")
+
+
+def run_info() -> dict[str, str]:
+    """The columns every row carries: what ran, where, when."""
+    import triton
+
+    return {
+        "gpu": gpu_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "q35lab": __version__,
+        "commit": _git_commit(),
+        "date": _dt.date.today().isoformat(),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Ceilings
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Ceilings:
+    copy_gbps: float  # device-to-device copy, bytes read + written per second
+    matmul_tflops: float  # bf16 GEMM
+
+
+def _median_event_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for start, end in zip(starts, ends):
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def measure_ceilings(copy_bytes: int = 2 * 2**30, matmul_n: int = 8192) -> Ceilings:
+    """Copy bandwidth (2 GiB buffer, bytes read + written) and bf16 matmul rate (n³, random data)."""
+    src = torch.empty(copy_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    copy_ms = _median_event_ms(lambda: dst.copy_(src), reps=20)
+    del src, dst
+    a = torch.randn(matmul_n, matmul_n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(matmul_n, matmul_n, dtype=torch.bfloat16, device="cuda")
+    mm_ms = _median_event_ms(lambda: a @ b, reps=20)
+    return Ceilings(copy_gbps=2 * copy_bytes / copy_ms / 1e6, matmul_tflops=2 * matmul_n**3 / mm_ms / 1e9)
+
+
+# ----------------------------------------------------------------------------------------------
+# One case: time and memory of one callable
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Timing:
+    wall_ms: float = math.nan
+    kernel_ms: float = math.nan
+    extra_peak_mb: float = math.nan
+    status: str = "ok"  # ok | oom | error | skipped
+    note: str = ""
+
+
+def _device_time_us(event) -> float:
+    for name in ("device_time", "cuda_time"):  # renamed in PyTorch 2.4
+        value = getattr(event, name, None)
+        if value is not None:
+            return float(value)
+    return 0.0
+
+
+def kernel_ms(calls: list[Callable[[], object]]) -> float:
+    """Summed device time of all kernels launched by ``calls`` (run once each), per call."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for call in calls:
+            call()
+        torch.cuda.synchronize()
+    total_us = sum(_device_time_us(e) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return total_us / 1e3 / len(calls)
+
+
+def wall_ms(calls: list[Callable[[], object]], reps: int) -> float:
+    """Median of CUDA-event times of single calls, each started on an idle GPU."""
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for i in range(reps):
+        torch.cuda.synchronize()
+        start.record()
+        calls[i % len(calls)]()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def extra_peak_mb(call: Callable[[], object]) -> float:
+    """Peak memory allocated during ``call`` minus what was allocated just before, in MB."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    result = call()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del result
+    return (peak - before) / 1e6
+
+
+def measure(calls: list[Callable[[], object]], *, warmup: int = 3, reps: int = 30, profile_calls: int = 10) -> Timing:
+    """Time and memory of ``calls`` (equivalent callables over rotated inputs).
+
+    Out-of-memory is a result, not a crash: the row says ``oom``.
+    """
+    try:
+        for i in range(warmup):
+            calls[i % len(calls)]()
+        torch.cuda.synchronize()
+        timing = Timing()
+        timing.extra_peak_mb = extra_peak_mb(calls[0])
+        timing.wall_ms = wall_ms(calls, reps)
+        timing.kernel_ms = kernel_ms([calls[i % len(calls)] for i in range(profile_calls)])
+        return timing
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return Timing(status="oom", note="out of memory")
+
+
+# ----------------------------------------------------------------------------------------------
+# Rows and CSV files
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Case:
+    """What a row describes, before it is measured."""
+
+    op: str
+    impl: str
+    pass_: str
+    T: int
+    variant: str = ""
+    dtype: str = "bfloat16"
+    bytes: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def make_row(case: Case, timing: Timing, ceilings: Ceilings | None, info: dict[str, str]) -> dict:
+    """One CSV row: the case, its timing, throughput against the copy ceiling, provenance."""
+    def gbps(ms: float) -> float:
+        return case.bytes / ms / 1e6 if case.bytes and ms and not math.isnan(ms) else math.nan
+
+    copy = ceilings.copy_gbps if ceilings else math.nan
+    row = {
+        "op": case.op, "impl": case.impl, "pass": case.pass_, "T": case.T, "variant": case.variant,
+        "dtype": case.dtype, "status": timing.status, "note": timing.note,
+        "wall_ms": timing.wall_ms, "kernel_ms": timing.kernel_ms, "bytes": case.bytes,
+        "gbps_kernel": gbps(timing.kernel_ms), "gbps_wall": gbps(timing.wall_ms),
+        "pct_copy_kernel": 100 * gbps(timing.kernel_ms) / copy, "pct_copy_wall": 100 * gbps(timing.wall_ms) / copy,
+        "extra_peak_mb": timing.extra_peak_mb, "copy_gbps": copy,
+        "matmul_tflops": ceilings.matmul_tflops if ceilings else math.nan,
+        **info,
+    }
+    assert list(row) == SCHEMA, "row columns drifted from SCHEMA"
+    return row
+
+
+def write_csv(rows: list[dict], path: Path) -> Path:
+    """Write ``rows`` (SCHEMA columns, floats with 6 significant digits) to ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=SCHEMA)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
+    return path
+
+
+def read_csv(path: Path):
+    """A committed results file as a pandas DataFrame (numbers parsed)."""
+    import pandas as pd
+
+    return pd.read_csv(path, keep_default_na=True, na_values=["nan"], dtype={"note": str, "variant": str}).fillna(
+        {"note": "", "variant": ""}
+    )
+
+
+def write_numerics_csv(rows: list[dict], path: Path) -> Path:
+    """The numerics rows of ``bench.check`` with provenance, as ``<op>_numerics.csv``."""
+    import pandas as pd
+
+    info = run_info()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame([{**r, **info} for r in rows]).to_csv(path, index=False, float_format="%.6g")
+    return path

@@ -1,0 +1,116 @@
+"""Benchmark of the offset RMSNorm: sizes, bytes model, peers, numerics check.
+
+Peers (each skipped, and said so, when it is not installed):
+
+* ``transformers``: ``Qwen3_5RMSNorm``, eager — what a Qwen3.5 model runs out of the box;
+* ``torch.compile``: the same module compiled by Inductor;
+* ``liger``: ``LigerRMSNormForQwen3Next`` (offset 1.0, casting mode "gemma", zero init), the
+  class Liger's ``apply_liger_kernel_to_qwen3_5`` installs;
+* ``q35lab`` and ``q35lab (frozen w)``: ours, with a trainable weight and a frozen one (LoRA).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import shapes
+from ..numerics import agreement, compare
+from ..ops.offset_rms_norm import OffsetRMSNorm, offset_rms_norm, offset_rms_norm_ref
+from .spec import Impl, OpBench
+
+HIDDEN = shapes.HIDDEN
+
+
+def make_inputs(T: int, device, dtype=torch.bfloat16, hidden: int = HIDDEN) -> dict:
+    """Batch 1, ``T`` tokens: x and dy of shape [1, T, hidden], a small random weight."""
+    return {
+        "x": torch.randn(1, T, hidden, device=device, dtype=dtype),
+        "w": (0.1 * torch.randn(hidden, device=device)).to(dtype),
+        "dy": torch.randn(1, T, hidden, device=device, dtype=dtype),
+    }
+
+
+def bytes_model(T: int, pass_: str, hidden: int = HIDDEN, elem: int = 2) -> int:
+    """Minimal traffic: forward reads x, writes y; backward reads x and dy, writes dx.
+
+    The weight, its gradient and the 4-byte-a-row rstd are < 0.1 % at hidden 4096 and left out.
+    """
+    per_tensor = T * hidden * elem
+    return {"fwd": 2 * per_tensor, "bwd": 3 * per_tensor, "fwd+bwd": 5 * per_tensor}[pass_]
+
+
+def _hf_class():
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    return Qwen3_5RMSNorm
+
+
+def _liger_class():
+    from liger_kernel.transformers.rms_norm import LigerRMSNormForQwen3Next
+
+    return LigerRMSNormForQwen3Next
+
+
+def _module_impl(build, frozen: bool = False, compile: bool = False) -> Impl:
+    """An Impl running ``build(hidden)`` as a module over the inputs."""
+
+    def make(inputs: dict):
+        x = inputs["x"]
+        module = build()(x.shape[-1]).to(device=x.device, dtype=x.dtype)
+        with torch.no_grad():
+            module.weight.copy_(inputs["w"])
+        module.weight.requires_grad_(not frozen)
+        if compile:
+            module = torch.compile(module, dynamic=False)
+        x = x.detach().requires_grad_()
+        params = [] if frozen else [module.weight]
+        return (lambda: module(x)), [x, *params], inputs["dy"]
+
+    return make
+
+
+def check(T: int, device, dtype=torch.bfloat16) -> list[dict]:
+    """Numerics at size ``T``: the rule for y, dx and dw; bf16 agreement with transformers."""
+    inputs = make_inputs(T, device, dtype)
+    x = inputs["x"].requires_grad_()
+    w = inputs["w"].clone().requires_grad_()
+    dy = inputs["dy"]
+
+    def run(fn, x, w, dy):
+        y = fn(x, w)
+        return (y, *torch.autograd.grad(y, [x, w], dy))
+
+    out = run(offset_rms_norm, x, w, dy)
+    ref = run(offset_rms_norm_ref, x, w, dy)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref64 = run(offset_rms_norm_ref, x64, w64, dy.double())
+    rows = []
+    for name, a, b, c in zip(("y", "dx", "dw"), out, ref, ref64):
+        result = compare(name, a, b, c)
+        rows.append({"tensor": name, "kernel_err": result.kernel_err, "ref_err": result.ref_err,
+                     "bound": result.bound, "ok": result.ok})
+    try:
+        hf = _hf_class()(x.shape[-1]).to(device=device, dtype=dtype)
+        with torch.no_grad():
+            hf.weight.copy_(w)
+            rows[0].update(agreement(out[0].detach(), hf(x.detach())))
+    except ImportError:
+        rows[0]["note"] = "transformers has no Qwen3_5RMSNorm: agreement not measured"
+    return rows
+
+
+BENCH = OpBench(
+    name="offset_rms_norm",
+    title=f"Offset RMSNorm, hidden {HIDDEN}, bf16",
+    make_inputs=make_inputs,
+    bytes_model=bytes_model,
+    impls={
+        "transformers": (_module_impl(_hf_class), ("transformers",)),
+        "torch.compile": (_module_impl(_hf_class, compile=True), ("transformers",)),
+        "liger": (_module_impl(_liger_class), ("liger_kernel",)),
+        "q35lab (frozen w)": (_module_impl(lambda: OffsetRMSNorm, frozen=True), ()),
+        "q35lab": (_module_impl(lambda: OffsetRMSNorm), ()),
+    },
+    check=check,
+    ours="q35lab",
+)

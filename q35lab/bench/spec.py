@@ -1,0 +1,29 @@
+"""What a per-op benchmark file declares: inputs, bytes model, implementations, numerics check."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .. import shapes
+
+#: An implementation: ``make(inputs) -> (forward, grad_tensors, dy)``. ``forward()`` returns
+#: the output; the backward is ``torch.autograd.grad(output, grad_tensors, dy)``.
+Impl = Callable[[dict], tuple[Callable[[], torch.Tensor], list, torch.Tensor]]
+
+
+@dataclass
+class OpBench:
+    name: str
+    title: str
+    make_inputs: Callable[..., dict]  # (T, device, dtype) -> inputs
+    bytes_model: Callable[[int, str], int]  # (T, pass) -> minimal bytes moved
+    impls: dict[str, tuple[Impl, tuple[str, ...]]]  # name -> (impl, modules it needs)
+    check: Callable[..., list[dict]]  # (T, device, dtype) -> numerics rows
+    ours: str  # the impl drawn last and highlighted
+    passes: tuple[str, ...] = ("fwd", "bwd", "fwd+bwd")
+    sweep: list[int] = field(default_factory=lambda: list(shapes.SWEEP_T))
+    quick: list[int] = field(default_factory=lambda: list(shapes.QUICK_T))
+    smoke: list[int] = field(default_factory=lambda: list(shapes.SMOKE_T))

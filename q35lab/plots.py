@@ -1,0 +1,133 @@
+"""Figures drawn from the committed CSVs: bandwidth and extra memory against tokens T.
+
+Every figure reads ``data/bench/<gpu>/<op>.csv``, so a notebook on a CPU draws the real GPU
+curves. One colour per implementation across all figures; ours is drawn last, on top.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
+    matplotlib.use("Agg")  # headless: a PNG needs no display
+
+import matplotlib.pyplot as plt  # noqa: E402
+
+__all__ = ["COLORS", "color_of", "plot_bandwidth", "plot_memory", "op_figure", "render"]
+
+COLORS = {
+    "transformers": "#7f7f7f",
+    "torch.compile": "#ff7f0e",
+    "liger": "#2ca02c",
+    "fla": "#9467bd",
+    "axolotl": "#8c564b",
+    "cut-cross-entropy": "#e377c2",
+    "peft": "#bcbd22",
+    "peft (bf16 adapters)": "#17becf",
+    "q35lab (frozen w)": "#6baed6",
+    "q35lab": "#1f4e9c",
+}
+_EXTRA = ["#d62728", "#aec7e8", "#98df8a", "#c5b0d5", "#c49c94"]
+
+
+def color_of(impl: str, others: list[str] | None = None) -> str:
+    if impl in COLORS:
+        return COLORS[impl]
+    others = sorted(set(others or []) - set(COLORS))
+    return _EXTRA[others.index(impl) % len(_EXTRA)] if impl in others else "#000000"
+
+
+def _ordered_impls(df, ours: str) -> list[str]:
+    impls = [i for i in dict.fromkeys(df["impl"]) if i != ours]
+    return impls + ([ours] if ours in set(df["impl"]) else [])
+
+
+def _log2_tokens_axis(ax, Ts) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(set(Ts)))
+    ax.set_xticklabels([f"{t // 1024}k" if t >= 1024 else str(t) for t in sorted(set(Ts))])
+    ax.set_xlabel("tokens T (batch 1)")
+    ax.grid(True, which="major", ls=":", alpha=0.6)
+
+
+def plot_bandwidth(ax, df, pass_: str, ours: str, copy_gbps: float) -> None:
+    """GB/s of the minimal traffic (kernel time solid, wall time dotted); the copy ceiling dashed."""
+    sub = df[df["pass"] == pass_]
+    impls = _ordered_impls(sub, ours)
+    for impl in impls:
+        rows = sub[(sub["impl"] == impl) & (sub["status"] == "ok")].sort_values("T")
+        if rows.empty:
+            continue
+        color = color_of(impl, impls)
+        lw = 2.4 if impl == ours else 1.4
+        ax.plot(rows["T"], rows["gbps_kernel"], "-o", color=color, lw=lw, ms=4, label=impl, zorder=3 if impl == ours else 2)
+        ax.plot(rows["T"], rows["gbps_wall"], ":", color=color, lw=1.0, zorder=1)
+    ax.axhline(copy_gbps, color="black", ls="--", lw=1)
+    ax.text(sub["T"].min(), copy_gbps * 1.01, f" copy {copy_gbps:.0f} GB/s", va="bottom", fontsize=8)
+    ax.set_ylim(0, copy_gbps * 1.12)
+    ax.set_ylabel("GB/s (solid: kernel time, dotted: wall)")
+    right = ax.secondary_yaxis("right", functions=(lambda g: 100 * g / copy_gbps, lambda p: p * copy_gbps / 100))
+    right.set_ylabel("% of measured copy")
+    _log2_tokens_axis(ax, sub["T"])
+    ax.set_title(pass_)
+
+
+def plot_memory(ax, df, pass_: str, ours: str) -> None:
+    """Extra peak memory (MB) during the call; out-of-memory points marked at the top, not dropped."""
+    sub = df[df["pass"] == pass_]
+    impls = _ordered_impls(sub, ours)
+    ok = sub[sub["status"] == "ok"]
+    top = (ok["extra_peak_mb"].max() if not ok.empty else 1.0) * 1.15
+    for impl in impls:
+        color = color_of(impl, impls)
+        rows = sub[sub["impl"] == impl].sort_values("T")
+        good = rows[rows["status"] == "ok"]
+        ax.plot(good["T"], good["extra_peak_mb"], "-o", color=color, ms=4, lw=2.4 if impl == ours else 1.4, label=impl)
+        oom = rows[rows["status"] == "oom"]
+        if not oom.empty:
+            ax.scatter(oom["T"], [top] * len(oom), marker="x", s=60, color=color, zorder=4)
+            for t in oom["T"]:
+                ax.annotate("OOM", (t, top), textcoords="offset points", xytext=(0, 4), ha="center", fontsize=7, color=color)
+    ax.set_yscale("log")
+    ax.set_ylabel("extra peak memory (MB)")
+    _log2_tokens_axis(ax, sub["T"])
+    ax.set_title(pass_)
+
+
+def op_figure(df, title: str, ours: str):
+    """Bandwidth (top row) and memory (bottom row) for each pass, the GPU in the title."""
+    passes = list(dict.fromkeys(df["pass"]))
+    fig, axes = plt.subplots(2, len(passes), figsize=(5.2 * len(passes), 8.5), squeeze=False)
+    copy = float(df["copy_gbps"].dropna().iloc[0])
+    for j, pass_ in enumerate(passes):
+        plot_bandwidth(axes[0][j], df, pass_, ours, copy)
+        plot_memory(axes[1][j], df, pass_, ours)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(labels), bbox_to_anchor=(0.5, 0.955), frameon=False)
+    gpu = df["gpu"].iloc[0]
+    fig.suptitle(f"{title} — {gpu}, {df['date'].iloc[0]}", fontsize=13)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    return fig
+
+
+def render(data: Path | None = None, ops=None) -> list[Path]:
+    """Redraw data/figures/<op>_<gpu>.png from every committed CSV; returns the files written."""
+    from .bench import DATA, core, discover
+
+    data = DATA if data is None else Path(data)
+    benches = discover()
+    written = []
+    for csv_path in sorted((data / "bench").glob("*/*.csv")):
+        op = csv_path.stem
+        if op not in benches or (ops and op not in ops):
+            continue
+        df = core.read_csv(csv_path)
+        fig = op_figure(df, benches[op].title, benches[op].ours)
+        out = data / "figures" / f"{op}_{csv_path.parent.name}.png"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=110)
+        plt.close(fig)
+        written.append(out)
+    return written
