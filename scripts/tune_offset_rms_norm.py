@@ -1,17 +1,18 @@
 """Try launch configurations of the offset RMSNorm kernels on this GPU; write a tuning CSV.
 
-For each (BLOCK_ROWS, num_warps[, programs per SM]) the forward and the backward (with dW) are
-timed with triton.testing.do_bench (median, L2 flushed) at hidden 4096, bf16. Run on a GPU:
+Forward, backward with dW and backward with a frozen weight are timed with
+``triton.testing.do_bench`` (median, L2 flushed) at hidden 4096, bf16, for each configuration;
+Liger's kernels are timed the same way as a yardstick. Run on a GPU:
 
     python scripts/tune_offset_rms_norm.py --out data/bench/<gpu>/offset_rms_norm_tuning.csv
 """
 
 import argparse
+import importlib.util
 import itertools
 
 import pandas as pd
 import torch
-import triton
 from triton.testing import do_bench
 
 from q35lab.bench import core
@@ -25,33 +26,48 @@ def main():
     parser.add_argument("--hidden", type=int, default=4096)
     args = parser.parse_args()
     copy = core.measure_ceilings().copy_gbps
+    default = op.launch_config(args.hidden)
     rows = []
-    default_tile = op._tile
+
+    def record(T, pass_, impl, ms, **config):
+        traffic = (2 if pass_ == "fwd" else 3) * T * args.hidden * 2
+        rows.append(dict(T=T, pass_=pass_, impl=impl, ms=ms, gbps=traffic / ms / 1e6,
+                         pct_copy=100 * traffic / ms / 1e6 / copy, copy_gbps=copy, **config))
+
     for T in args.T:
         x = torch.randn(T, args.hidden, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn_like(x)
         w = 0.1 * torch.randn(args.hidden, device="cuda", dtype=torch.bfloat16)
-        block_cols = triton.next_power_of_2(args.hidden)
-        for block_rows, warps in itertools.product([1, 2, 4], [4, 8, 16]):
-            op._tile = lambda n, r=block_rows, w_=warps: (r, block_cols, w_)
+        _, rstd = op.offset_rms_norm_fwd(x, w, 1e-6)
+        for rows_per_program, warps in itertools.product([1, 2, 4], [4, 8, 16]):
+            op.CONFIG_OVERRIDE = op.LaunchConfig(rows_per_program, warps, warps, 2)
             ms = do_bench(lambda: op.offset_rms_norm_fwd(x, w, 1e-6), return_mode="median")
-            rows.append(dict(T=T, pass_="fwd", block_rows=block_rows, warps=warps, per_sm=0, ms=ms))
-            _, rstd = op.offset_rms_norm_fwd(x, w, 1e-6)
-            for per_sm in [1, 2, 4, 8]:
-                op.BWD_PROGRAMS_PER_SM = per_sm
-                ms = do_bench(lambda: op.offset_rms_norm_bwd(dy, x, w, rstd, True), return_mode="median")
-                rows.append(dict(T=T, pass_="bwd", block_rows=block_rows, warps=warps, per_sm=per_sm, ms=ms))
+            record(T, "fwd", "q35lab", ms, rows_per_program=rows_per_program, warps=warps)
+        for warps, per_sm, stages in itertools.product([4, 8], [2, 4, 8], [1, 2, 3]):
+            op.CONFIG_OVERRIDE = op.LaunchConfig(1, warps, warps, per_sm, stages)
+            ms = do_bench(lambda: op.offset_rms_norm_bwd(dy, x, w, rstd, True), return_mode="median")
+            record(T, "bwd", "q35lab", ms, warps=warps, per_sm=per_sm, stages=stages)
+        for warps in [4, 8, 16]:
+            op.CONFIG_OVERRIDE = op.LaunchConfig(1, warps, warps, 2)
             ms = do_bench(lambda: op.offset_rms_norm_bwd(dy, x, w, rstd, False), return_mode="median")
-            rows.append(dict(T=T, pass_="bwd_frozen_w", block_rows=block_rows, warps=warps, per_sm=0, ms=ms))
-        op._tile = default_tile
+            record(T, "bwd_frozen_w", "q35lab", ms, warps=warps)
+        op.CONFIG_OVERRIDE = None
+        if importlib.util.find_spec("liger_kernel"):
+            from liger_kernel.ops.rms_norm import rms_norm_backward, rms_norm_forward
+
+            ms = do_bench(lambda: rms_norm_forward(x, w, 1e-6, 1.0, "gemma", None), return_mode="median")
+            record(T, "fwd", "liger", ms)
+            _, _, lrstd, block, warps, mode = rms_norm_forward(x, w, 1e-6, 1.0, "gemma", None)
+            ms = do_bench(lambda: rms_norm_backward(dy, x, w, lrstd, 1.0, mode, block, warps, False, None),
+                          return_mode="median")
+            record(T, "bwd", "liger", ms)
     df = pd.DataFrame(rows)
-    df["gbps"] = [(2 if p == "fwd" else 3) * t * args.hidden * 2 / m / 1e6 for p, t, m in zip(df.pass_, df["T"], df.ms)]
-    df["pct_copy"] = 100 * df.gbps / copy
-    df["copy_gbps"] = copy
     df.to_csv(args.out, index=False, float_format="%.5g")
-    best = df.loc[df.groupby(["T", "pass_"]).ms.idxmin()]
-    print(f"copy {copy:.0f} GB/s; default tile {default_tile(args.hidden)}")
+    ours = df[df.impl == "q35lab"]
+    best = ours.loc[ours.groupby(["T", "pass_"]).ms.idxmin()]
+    print(f"copy {copy:.0f} GB/s; default config {default}")
     print(best.to_string(index=False))
+    print(df[df.impl == "liger"].to_string(index=False))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ transformers math in PyTorch, the reference every test compares against.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -32,6 +33,7 @@ import triton.language as tl
 
 from .. import runtime
 from ._checks import check_eps, check_float_tensor, check_same_device, check_weight, rows_view
+from ._reduce import sum_partials
 
 __all__ = [
     "offset_rms_norm_ref",
@@ -61,8 +63,8 @@ def offset_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
 
 
 # --------------------------------------------------------------------------------------------
-# Kernels. A program owns a tile of BLOCK_ROWS whole rows; a row never spans two programs, so
-# the row statistics need no communication between programs.
+# Kernels. Each row is one 1-D block of BLOCK_COLS lanes: a row never spans two programs, so the
+# row statistics need no communication between programs.
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _offset_rms_norm_fwd_kernel(
@@ -75,25 +77,56 @@ def _offset_rms_norm_fwd_kernel(
     stride_x,
     stride_y,
     eps,
-    BLOCK_ROWS: tl.constexpr,
+    ROWS_PER_PROGRAM: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_COLS)
-    row_mask = rows < n_rows
     col_mask = cols < n_cols
-    mask = row_mask[:, None] & col_mask[None, :]
-    rows64 = rows.to(tl.int64)  # rows·stride overflows int32 past 2³¹ elements
+    w_plus_1 = 1.0 + tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)  # offset added in fp32
+    # Unrolled: the loads of every row are independent, so they are all in flight at once.
+    for i in tl.static_range(ROWS_PER_PROGRAM):
+        row = tl.program_id(0) * ROWS_PER_PROGRAM + i
+        if row < n_rows:
+            row64 = row.to(tl.int64)  # row·stride overflows int32 past 2³¹ elements
+            x = tl.load(X + row64 * stride_x + cols, mask=col_mask, other=0.0).to(tl.float32)
+            # Masked columns load as 0, so they add nothing to Σx²; divide by the true width.
+            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+            y = (x * rstd) * w_plus_1
+            tl.store(Y + row64 * stride_y + cols, y.to(Y.dtype.element_ty), mask=col_mask)
+            tl.store(RSTD + row, rstd)
 
-    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
 
-    # Masked columns load as 0, so they add nothing to Σx²; divide by the true width.
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
-    y = (x * rstd[:, None]) * (1.0 + w)[None, :]  # the offset is added in fp32, never rounded
+@triton.jit
+def _row_backward(dy, x, rstd, w_plus_1, n_cols):
+    """One row: ``dx = rstd·(g − x̂·mean(g·x̂))`` with ``g = dy·(1+w)``; also ``dy·x̂`` for dW."""
+    x_hat = x * rstd
+    g = dy * w_plus_1
+    c = tl.sum(g * x_hat, axis=0) / n_cols
+    return (g - x_hat * c) * rstd, dy * x_hat
 
-    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(RSTD + rows, rstd, mask=row_mask)
+
+@triton.jit
+def _offset_rms_norm_bwd_dx_kernel(
+    DY,  # [n_rows, n_cols] upstream gradient
+    X,  # [n_rows, n_cols] forward input
+    W,  # [n_cols] weight (frozen: no dW)
+    RSTD,  # [n_rows] fp32 from the forward
+    DX,  # [n_rows, n_cols] input gradient, x.dtype
+    n_cols,
+    stride_dy,
+    stride_x,
+    stride_dx,
+    BLOCK_COLS: tl.constexpr,
+):
+    """Frozen weight: one row per program and nothing to reduce across rows."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_COLS)
+    col_mask = cols < n_cols
+    w_plus_1 = 1.0 + tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + row * stride_dy + cols, mask=col_mask, other=0.0).to(tl.float32)
+    x = tl.load(X + row * stride_x + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dx, _ = _row_backward(dy, x, tl.load(RSTD + row), w_plus_1, n_cols)
+    tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
@@ -103,79 +136,96 @@ def _offset_rms_norm_bwd_kernel(
     W,  # [n_cols] weight
     RSTD,  # [n_rows] fp32 from the forward
     DX,  # [n_rows, n_cols] input gradient, x.dtype
-    DW_PARTIAL,  # [n_programs, n_cols] fp32: this program's Σ dy·x̂ (unused if not COMPUTE_DW)
+    DW_PARTIAL,  # [n_programs, n_cols] fp32: this program's Σ dy·x̂
     n_rows,
     n_cols,
     rows_per_program,
     stride_dy,
     stride_x,
     stride_dx,
-    BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
-    COMPUTE_DW: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
+    """Trainable weight: a persistent program walks ``rows_per_program`` consecutive rows,
+    accumulating its share of dW in registers, and writes it once as an fp32 partial row."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_COLS)
     col_mask = cols < n_cols
     w_plus_1 = 1.0 + tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-    dw_acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+    dw_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
 
     first_row = pid * rows_per_program
     last_row = tl.minimum(first_row + rows_per_program, n_rows)
-    for tile_start in range(first_row, last_row, BLOCK_ROWS):
-        rows = tile_start + tl.arange(0, BLOCK_ROWS)
-        row_mask = rows < last_row
-        mask = row_mask[:, None] & col_mask[None, :]
-        rows64 = rows.to(tl.int64)
+    # Software pipelining by hand: row r+1 is loaded before row r is reduced, so a program
+    # always has the next row's bytes in flight while it computes (its rows are sequential).
+    # "cols < width, or none at all": one comparison against a width that is 0 past the end.
+    mask = cols < tl.where(first_row < last_row, n_cols, 0)
+    first64 = first_row.to(tl.int64)  # row·stride overflows int32 past 2³¹ elements
+    dy_ptrs = DY + first64 * stride_dy + cols
+    x_ptrs = X + first64 * stride_x + cols
+    dx_ptrs = DX + first64 * stride_dx + cols
+    dy_next = tl.load(dy_ptrs, mask=mask, other=0.0)
+    x_next = tl.load(x_ptrs, mask=mask, other=0.0)
+    for row in tl.range(first_row, last_row, num_stages=NUM_STAGES):
+        dy = dy_next.to(tl.float32)
+        x = x_next.to(tl.float32)
+        mask_next = cols < tl.where(row + 1 < last_row, n_cols, 0)
+        dy_next = tl.load(dy_ptrs + stride_dy, mask=mask_next, other=0.0)
+        x_next = tl.load(x_ptrs + stride_x, mask=mask_next, other=0.0)
 
-        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        dx, dy_x_hat = _row_backward(dy, x, tl.load(RSTD + row), w_plus_1, n_cols)
+        tl.store(dx_ptrs, dx.to(DX.dtype.element_ty), mask=col_mask)
+        dw_acc += dy_x_hat  # masked columns contribute dy = 0
+        dy_ptrs += stride_dy
+        x_ptrs += stride_x
+        dx_ptrs += stride_dx
 
-        x_hat = x * rstd[:, None]
-        g = dy * w_plus_1[None, :]
-        c = tl.sum(g * x_hat, axis=1) / n_cols
-        dx = (g - x_hat * c[:, None]) * rstd[:, None]
-        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-
-        if COMPUTE_DW:
-            dw_acc += dy * x_hat  # masked rows and columns contribute dy = 0
-
-    if COMPUTE_DW:
-        tl.store(DW_PARTIAL + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+    tl.store(DW_PARTIAL + pid * n_cols + cols, dw_acc, mask=col_mask)
 
 
 # --------------------------------------------------------------------------------------------
-# Launch configuration. Tuned on an H200 (data/bench/nvidia-h200/offset_rms_norm_tuning.csv);
-# under the interpreter num_warps is ignored.
+# Launch configuration, tuned on an H200 (data/bench/nvidia-h200/offset_rms_norm_tuning.csv;
+# scripts/tune_offset_rms_norm.py). Under the interpreter num_warps is ignored.
 # --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LaunchConfig:
+    fwd_rows_per_program: int  # rows one forward program normalises (unrolled)
+    fwd_warps: int
+    bwd_warps: int
+    bwd_programs_per_sm: int  # persistent backward with dW: programs per multiprocessor
+    bwd_stages: int = 1  # tl.range software-pipelining depth of the persistent backward loop
+
+
+#: Set by the tuning script to try other configurations; None in normal use.
+CONFIG_OVERRIDE: LaunchConfig | None = None
+
+
+def launch_config(n_cols: int) -> LaunchConfig:
+    """Row-wise kernels want ~16 values per thread: 8 warps for a 4096-wide row; narrow rows
+    pack several rows into one program so each program still moves a few KB."""
+    if CONFIG_OVERRIDE is not None:
+        return CONFIG_OVERRIDE
+    block_cols = triton.next_power_of_2(n_cols)
+    warps = max(1, min(16, block_cols // 512))
+    return LaunchConfig(
+        fwd_rows_per_program=max(1, min(16, 4096 // block_cols)),
+        fwd_warps=warps,
+        bwd_warps=warps,
+        bwd_programs_per_sm=2,
+    )
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _programs_for_device(device: torch.device) -> int:
-    """How many programs the persistent backward launches: a few per multiprocessor."""
+def _persistent_programs(device: torch.device, per_sm: int) -> int:
+    """Programs of the persistent backward: ``per_sm`` per multiprocessor."""
     if device.type != "cuda":
         return 4  # the interpreter: a handful of programs exercises the partial-dW reduction
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _sm_count(index) * BWD_PROGRAMS_PER_SM
-
-
-#: Programs per SM in the backward with dW (each keeps a BLOCK_ROWS×BLOCK_COLS fp32 dW tile).
-BWD_PROGRAMS_PER_SM = 4
-
-
-def _tile(n_cols: int) -> tuple[int, int, int]:
-    """(BLOCK_ROWS, BLOCK_COLS, num_warps) for rows of width ``n_cols``.
-
-    A tile of about 8k elements keeps ~16 values per thread at 16 warps: enough bytes in
-    flight per program to cover memory latency, few enough registers for 2+ programs per SM.
-    """
-    block_cols = triton.next_power_of_2(n_cols)
-    block_rows = max(1, min(64, 8192 // block_cols))
-    num_warps = max(1, min(16, block_rows * block_cols // 512))
-    return block_rows, block_cols, num_warps
+    return _sm_count(index) * per_sm
 
 
 # --------------------------------------------------------------------------------------------
@@ -188,11 +238,12 @@ def offset_rms_norm_fwd(x2d: torch.Tensor, weight: torch.Tensor, eps: float) -> 
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
     if n_rows == 0:
         return y, rstd
-    block_rows, block_cols, num_warps = _tile(n_cols)
-    grid = (triton.cdiv(n_rows, block_rows),)
+    config = launch_config(n_cols)
+    grid = (triton.cdiv(n_rows, config.fwd_rows_per_program),)
     _offset_rms_norm_fwd_kernel[grid](
         x2d, weight, y, rstd, n_rows, n_cols, x2d.stride(0), y.stride(0), eps,
-        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
+        ROWS_PER_PROGRAM=config.fwd_rows_per_program, BLOCK_COLS=triton.next_power_of_2(n_cols),
+        num_warps=config.fwd_warps,
     )
     return y, rstd
 
@@ -204,26 +255,39 @@ def offset_rms_norm_bwd(
 
     With ``compute_dw`` the grid is persistent (a few programs per SM), each walking a
     contiguous run of rows and writing one fp32 partial row of dW; the partials are summed
-    once afterwards, in a fixed order: deterministic, no atomics. Without it, every tile of rows
-    gets its own program.
+    once afterwards, in a fixed order: deterministic, no atomics. Without it, every row gets
+    its own program.
     """
     n_rows, n_cols = x2d.shape
     dx = torch.empty_like(x2d)
     if n_rows == 0:
-        dw = torch.zeros_like(weight) if compute_dw else None
-        return dx, dw
-    block_rows, block_cols, num_warps = _tile(n_cols)
-    n_tiles = triton.cdiv(n_rows, block_rows)
-    n_programs = min(n_tiles, _programs_for_device(x2d.device)) if compute_dw else n_tiles
-    rows_per_program = triton.cdiv(n_tiles, n_programs) * block_rows
+        return dx, (torch.zeros_like(weight) if compute_dw else None)
+    config = launch_config(n_cols)
+    block_cols = triton.next_power_of_2(n_cols)
+    strides = (dy2d.stride(0), x2d.stride(0), dx.stride(0))
+    if not compute_dw:
+        _offset_rms_norm_bwd_dx_kernel[(n_rows,)](
+            dy2d, x2d, weight, rstd, dx, n_cols, *strides, BLOCK_COLS=block_cols, num_warps=config.bwd_warps
+        )
+        return dx, None
+    rows_per_program = triton.cdiv(n_rows, min(n_rows, _persistent_programs(x2d.device, config.bwd_programs_per_sm)))
     n_programs = triton.cdiv(n_rows, rows_per_program)
-    dw_partial = (
-        torch.empty((n_programs, n_cols), dtype=torch.float32, device=x2d.device) if compute_dw else dx
+    dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x2d.device)
+    _offset_rms_norm_bwd_kernel[(n_programs,)](
+        dy2d, x2d, weight, rstd, dx, dw_partial, n_rows, n_cols, rows_per_program, *strides,
+        BLOCK_COLS=block_cols, NUM_STAGES=config.bwd_stages, num_warps=config.bwd_warps,
     )
+    dw = sum_partials(dw_partial, weight.dtype)
+    return dx, dw
+    config = launch_config(n_cols)
+    n_programs = min(n_rows, _persistent_programs(x2d.device, config.bwd_programs_per_sm)) if compute_dw else n_rows
+    rows_per_program = triton.cdiv(n_rows, n_programs)
+    n_programs = triton.cdiv(n_rows, rows_per_program)
+    dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x2d.device) if compute_dw else dx
     _offset_rms_norm_bwd_kernel[(n_programs,)](
         dy2d, x2d, weight, rstd, dx, dw_partial, n_rows, n_cols, rows_per_program,
         dy2d.stride(0), x2d.stride(0), dx.stride(0),
-        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, COMPUTE_DW=compute_dw, num_warps=num_warps,
+        BLOCK_COLS=triton.next_power_of_2(n_cols), COMPUTE_DW=compute_dw, num_warps=config.bwd_warps,
     )
     dw = dw_partial.sum(0).to(weight.dtype) if compute_dw else None
     return dx, dw
