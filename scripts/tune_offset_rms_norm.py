@@ -48,7 +48,7 @@ def main():
             ms = do_bench(lambda: op.offset_rms_norm_bwd(dy, x, w, rstd, True), return_mode="median")
             record(T, "bwd", "q35lab", ms, warps=warps, per_sm=per_sm, stages=stages)
         for warps in [4, 8, 16]:
-            op.CONFIG_OVERRIDE = op.LaunchConfig(1, warps, warps, 2)
+            op.CONFIG_OVERRIDE = op.LaunchConfig(1, warps, warps, 2, frozen_warps=warps)
             ms = do_bench(lambda: op.offset_rms_norm_bwd(dy, x, w, rstd, False), return_mode="median")
             record(T, "bwd_frozen_w", "q35lab", ms, warps=warps)
         op.CONFIG_OVERRIDE = None

@@ -194,6 +194,7 @@ class LaunchConfig:
     bwd_warps: int
     bwd_programs_per_sm: int  # persistent backward with dW: programs per multiprocessor
     bwd_stages: int = 1  # tl.range software-pipelining depth of the persistent backward loop
+    frozen_warps: int = 8  # backward without dW: one row per program
 
 
 #: Set by the tuning script to try other configurations; None in normal use.
@@ -211,7 +212,9 @@ def launch_config(n_cols: int) -> LaunchConfig:
         fwd_rows_per_program=max(1, min(16, 4096 // block_cols)),
         fwd_warps=warps,
         bwd_warps=warps,
-        bwd_programs_per_sm=2,
+        bwd_programs_per_sm=2,  # 2 resident programs of 8 warps; 3 leaves a ragged last wave
+        bwd_stages=3,
+        frozen_warps=max(1, min(16, block_cols // 256)),
     )
 
 
@@ -267,7 +270,7 @@ def offset_rms_norm_bwd(
     strides = (dy2d.stride(0), x2d.stride(0), dx.stride(0))
     if not compute_dw:
         _offset_rms_norm_bwd_dx_kernel[(n_rows,)](
-            dy2d, x2d, weight, rstd, dx, n_cols, *strides, BLOCK_COLS=block_cols, num_warps=config.bwd_warps
+            dy2d, x2d, weight, rstd, dx, n_cols, *strides, BLOCK_COLS=block_cols, num_warps=config.frozen_warps
         )
         return dx, None
     rows_per_program = triton.cdiv(n_rows, min(n_rows, _persistent_programs(x2d.device, config.bwd_programs_per_sm)))
