@@ -44,6 +44,19 @@ def main():
         "q35lab fwd+bwd autograd.grad": lambda: torch.autograd.grad(op.offset_rms_norm(xg, wg), (xg, wg), dy),
         "eager ref fwd+bwd autograd.grad": lambda: torch.autograd.grad(op.offset_rms_norm_ref(xg, wg), (xg, wg), dy),
     }
+    class Identity(torch.autograd.Function):
+        """No kernels at all: the autograd machinery's own cost per custom node."""
+
+        @staticmethod
+        def forward(ctx, t):
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    rows["identity Function autograd.grad"] = lambda: torch.autograd.grad(Identity.apply(xg), (xg,), dy)
+    rows["x*2 autograd.grad (one eager node)"] = lambda: torch.autograd.grad(xg * 2, (xg,), dy)
     try:
         from liger_kernel.transformers.rms_norm import LigerRMSNormForQwen3Next
 

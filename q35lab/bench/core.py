@@ -4,8 +4,9 @@ What is measured (DESIGN.md, "Measurement"):
 
 * **ceilings**, in the same run: a device-to-device copy (GB/s, bytes read + written) and a bf16
   matmul (TFLOP/s);
-* **wall** time: median over repetitions of CUDA events around one call, started from an idle
-  GPU, so the host's launch overhead is included — what a training step feels;
+* **wall** time: per-call time of calls issued back to back (as a training loop issues them)
+  between CUDA events, median over batches; the host's overhead is included — when the host is
+  slower than the GPU, it is what is measured — so this is what a training step feels;
 * **kernel** time: the summed device time of every kernel the call launches (PyTorch's
   profiler), per call — what the kernels themselves are worth;
 * **extra peak memory**: peak allocated during the call minus what was allocated before it.
@@ -153,18 +154,25 @@ def kernel_ms(calls: list[Callable[[], object]]) -> float:
     return total_us / 1e3 / len(calls)
 
 
-def wall_ms(calls: list[Callable[[], object]], reps: int) -> float:
-    """Median of CUDA-event times of single calls, each started on an idle GPU."""
-    times = []
+def wall_ms(calls: list[Callable[[], object]], reps: int, batch: int = 10) -> float:
+    """Per-call time of back-to-back calls, host overhead included: what a training step feels.
+
+    ``batch`` calls are issued without synchronising (as a training loop issues them) between
+    two CUDA events; the per-call mean of a batch is one sample, the median of ``reps // batch``
+    samples is returned. When the host is slower than the GPU the GPU waits, and the host's
+    time is what is measured; when it is faster, the kernels' time is.
+    """
+    samples = []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for i in range(reps):
+    for b in range(max(1, reps // batch)):
         torch.cuda.synchronize()
         start.record()
-        calls[i % len(calls)]()
+        for i in range(batch):
+            calls[(b * batch + i) % len(calls)]()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        samples.append(start.elapsed_time(end) / batch)
+    return statistics.median(samples)
 
 
 def extra_peak_mb(call: Callable[[], object]) -> float:
@@ -179,7 +187,7 @@ def extra_peak_mb(call: Callable[[], object]) -> float:
     return (peak - before) / 1e6
 
 
-def measure(calls: list[Callable[[], object]], *, warmup: int = 3, reps: int = 30, profile_calls: int = 10) -> Timing:
+def measure(calls: list[Callable[[], object]], *, warmup: int = 3, reps: int = 50, profile_calls: int = 10) -> Timing:
     """Time and memory of ``calls`` (equivalent callables over rotated inputs).
 
     Out-of-memory is a result, not a crash: the row says ``oom``.

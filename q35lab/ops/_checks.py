@@ -21,9 +21,10 @@ def check_float_tensor(name: str, value: object) -> torch.Tensor:
 
 def check_same_device(**tensors: torch.Tensor) -> None:
     """Raise ``ValueError`` unless all ``tensors`` live on one device."""
-    devices = {name: t.device for name, t in tensors.items()}
-    if len(set(devices.values())) > 1:
-        listed = ", ".join(f"{name} on {dev}" for name, dev in devices.items())
+    values = iter(tensors.values())
+    first = next(values).device
+    if any(t.device != first for t in values):  # the message is built only on failure
+        listed = ", ".join(f"{name} on {t.device}" for name, t in tensors.items())
         raise ValueError(f"expected all tensors on one device, got {listed}")
 
 

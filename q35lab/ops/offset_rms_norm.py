@@ -204,8 +204,11 @@ CONFIG_OVERRIDE: LaunchConfig | None = None
 def launch_config(n_cols: int) -> LaunchConfig:
     """Row-wise kernels want ~16 values per thread: 8 warps for a 4096-wide row; narrow rows
     pack several rows into one program so each program still moves a few KB."""
-    if CONFIG_OVERRIDE is not None:
-        return CONFIG_OVERRIDE
+    return CONFIG_OVERRIDE if CONFIG_OVERRIDE is not None else _default_config(n_cols)
+
+
+@functools.lru_cache(maxsize=64)  # host time matters at small T: decide once per width
+def _default_config(n_cols: int) -> LaunchConfig:
     block_cols = triton.next_power_of_2(n_cols)
     warps = max(1, min(16, block_cols // 512))
     return LaunchConfig(

@@ -1,0 +1,104 @@
+"""The harness on a CPU: bytes models, the CSV schema, figures rendered to PNG, the CLI."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from q35lab import bench, plots
+from q35lab.bench import core
+from q35lab.bench.offset_rms_norm import bytes_model
+
+
+def test_ops_are_discovered():
+    ops = bench.discover()
+    assert "offset_rms_norm" in ops
+    spec = ops["offset_rms_norm"]
+    assert spec.ours in spec.impls and {"transformers", "torch.compile", "liger"} <= set(spec.impls)
+
+
+def test_offset_rms_norm_bytes_model():
+    T, H = 32768, 4096
+    tensor = T * H * 2
+    assert bytes_model(T, "fwd") == 2 * tensor  # read x, write y
+    assert bytes_model(T, "bwd") == 3 * tensor  # read x, dy, write dx
+    assert bytes_model(T, "fwd+bwd") == 5 * tensor
+    assert bytes_model(1, "fwd", hidden=5120, elem=4) == 2 * 5120 * 4
+
+
+def _fake_rows(info):
+    ceilings = core.Ceilings(copy_gbps=4000.0, matmul_tflops=700.0)
+    rows = []
+    for impl, speed in (("transformers", 0.1), ("liger", 0.6), ("q35lab", 0.9)):
+        for pass_ in core.PASSES:
+            for T in (1024, 2048, 4096):
+                case = core.Case("offset_rms_norm", impl, pass_, T, bytes=bytes_model(T, pass_))
+                ms = case.bytes / (speed * 4000.0 * 1e6)
+                status = "oom" if (impl == "transformers" and T == 4096) else "ok"
+                timing = core.Timing(wall_ms=2 * ms, kernel_ms=ms, extra_peak_mb=T / 100, status=status)
+                if status == "oom":
+                    timing = core.Timing(status="oom", note="out of memory")
+                rows.append(core.make_row(case, timing, ceilings, info))
+    skipped = core.Case("offset_rms_norm", "fla", "fwd", 1024, bytes=bytes_model(1024, "fwd"))
+    rows.append(core.make_row(skipped, core.Timing(status="skipped", note="not installed: fla"), ceilings, info))
+    return rows
+
+
+def test_rows_follow_the_schema_and_round_trip(tmp_path):
+    info = dict(gpu="Test GPU", torch="x", triton="y", q35lab="z", commit="abc", date="2026-11-30")
+    rows = _fake_rows(info)
+    assert all(list(r) == core.SCHEMA for r in rows)
+    q = next(r for r in rows if r["impl"] == "q35lab" and r["pass"] == "fwd" and r["T"] == 2048)
+    assert math.isclose(q["pct_copy_kernel"], 90.0, rel_tol=1e-9)
+    assert math.isclose(q["gbps_wall"], 0.5 * q["gbps_kernel"], rel_tol=1e-9)
+    path = core.write_csv(rows, tmp_path / "bench" / core.gpu_slug("Test GPU") / "offset_rms_norm.csv")
+    assert path.parent.name == "test-gpu"
+    df = core.read_csv(path)
+    assert list(df.columns) == core.SCHEMA and len(df) == len(rows)
+    assert set(df["status"]) == {"ok", "oom", "skipped"}
+    assert math.isnan(df[df.status == "oom"]["wall_ms"].iloc[0])
+
+
+def test_figures_render_to_png_with_oom_marked(tmp_path):
+    info = dict(gpu="Test GPU", torch="x", triton="y", q35lab="z", commit="abc", date="2026-11-30")
+    core.write_csv(_fake_rows(info), tmp_path / "bench" / "test-gpu" / "offset_rms_norm.csv")
+    written = plots.render(tmp_path)
+    assert [p.name for p in written] == ["offset_rms_norm_test-gpu.png"]
+    assert written[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and written[0].stat().st_size > 20_000
+    df = core.read_csv(tmp_path / "bench" / "test-gpu" / "offset_rms_norm.csv")
+    fig = plots.op_figure(df, "Offset RMSNorm", "q35lab")
+    memory_axis = fig.axes[3]
+    assert any(t.get_text() == "OOM" for t in memory_axis.texts)
+    lines = [l.get_label() for l in fig.axes[0].get_lines() if not l.get_label().startswith("_")]
+    assert lines[-1] == "q35lab"  # ours drawn last
+    assert "Test GPU" in fig._suptitle.get_text()
+
+
+def test_committed_gpu_results_render(tmp_path):
+    committed = sorted((bench.DATA / "bench").glob("*/offset_rms_norm.csv"))
+    if not committed:
+        pytest.skip("no GPU results committed yet")
+    df = core.read_csv(committed[0])
+    assert list(df.columns) == core.SCHEMA
+    assert {"q35lab", "transformers", "torch.compile", "liger"} <= set(df["impl"])
+    fig = plots.op_figure(df, "Offset RMSNorm", "q35lab")
+    fig.savefig(tmp_path / "x.png")
+
+
+def test_run_refuses_without_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("CPU only")
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        bench.run(["offset_rms_norm"])
+    with pytest.raises(ValueError, match="ops: unknown"):
+        bench.check(["nope"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour of the CLI")
+def test_cli_bench_without_gpu_runs_the_smoke_checks():
+    out = subprocess.run([sys.executable, "-m", "q35lab", "bench", "offset_rms_norm"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "Speed needs a GPU" in out.stdout
+    assert out.stdout.count(" ok") == 12 and "FAIL" not in out.stdout  # 2 sizes × 2 dtypes × 3 tensors
