@@ -19,7 +19,8 @@ if [[ $STEPS == *tune* ]]; then
   python3 scripts/tune_offset_rms_norm.py --out data/bench/$gpu/offset_rms_norm_tuning.csv 2>&1 | tee "$OUT/tune.log"
 fi
 if [[ $STEPS == *overhead* ]]; then
-  python3 scripts/host_overhead.py 2>&1 | tee "$OUT/overhead.log"
+  mkdir -p data/bench/$gpu
+  python3 scripts/host_overhead.py data/bench/$gpu/offset_rms_norm_host_overhead.csv 2>&1 | tee "$OUT/overhead.log"
 fi
 if [[ $STEPS == *bench* ]]; then
   python3 -m q35lab bench "$@" 2>&1 | tee "$OUT/bench.log" | grep -v '%|' | tail -60

@@ -1,13 +1,16 @@
 """Host time per call (CPU enqueue cost) of the pieces of an offset-RMSNorm training step.
 
 Tiny inputs (8 rows) so the GPU never waits on memory: the time per call is what Python, the
-dispatcher and the Triton launcher cost. Run on a GPU: python scripts/host_overhead.py
+dispatcher and the Triton launcher cost. Run on a GPU: python scripts/host_overhead.py [out.csv]
 """
 
+import sys
 import time
 
+import pandas as pd
 import torch
 
+from q35lab.bench import core
 from q35lab.ops import offset_rms_norm as op
 
 
@@ -64,8 +67,13 @@ def main():
         rows["liger fwd+bwd autograd.grad"] = lambda: torch.autograd.grad(lig(xg), (xg, lig.weight), dy)
     except ImportError:
         pass
+    results = []
     for name, fn in rows.items():
-        print(f"{name:<36} {per_call_us(fn):8.1f} us/call")
+        us = per_call_us(fn)
+        results.append({"what": name, "us_per_call": us, **core.run_info()})
+        print(f"{name:<36} {us:8.1f} us/call")
+    if len(sys.argv) > 1:
+        pd.DataFrame(results).to_csv(sys.argv[1], index=False, float_format="%.4g")
 
 
 if __name__ == "__main__":
