@@ -67,11 +67,28 @@ def main():
         rows["liger fwd+bwd autograd.grad"] = lambda: torch.autograd.grad(lig(xg), (xg, lig.weight), dy)
     except ImportError:
         pass
+    def single_threaded(fn):
+        def run():
+            with torch.autograd.set_multithreading_enabled(False):
+                return fn()
+        return run
+
+    for name in ("q35lab fwd+bwd autograd.grad", "eager ref fwd+bwd autograd.grad", "identity Function autograd.grad"):
+        rows[name + " [backward on caller thread]"] = single_threaded(rows[name])
     results = []
     for name, fn in rows.items():
         us = per_call_us(fn)
         results.append({"what": name, "us_per_call": us, **core.run_info()})
         print(f"{name:<36} {us:8.1f} us/call")
+    from torch.profiler import ProfilerActivity, profile
+
+    fwd_bwd = rows["q35lab fwd+bwd autograd.grad"]
+    for _ in range(10):
+        fwd_bwd()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(50):
+            fwd_bwd()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
     if len(sys.argv) > 1:
         pd.DataFrame(results).to_csv(sys.argv[1], index=False, float_format="%.4g")
 

@@ -187,7 +187,7 @@ def extra_peak_mb(call: Callable[[], object]) -> float:
     return (peak - before) / 1e6
 
 
-def measure(calls: list[Callable[[], object]], *, warmup: int = 3, reps: int = 50, profile_calls: int = 10) -> Timing:
+def measure(calls: list[Callable[[], object]], *, warmup: int = 3, reps: int = 100, profile_calls: int = 10) -> Timing:
     """Time and memory of ``calls`` (equivalent callables over rotated inputs).
 
     Out-of-memory is a result, not a crash: the row says ``oom``.
