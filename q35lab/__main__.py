@@ -19,7 +19,7 @@ def _numerics_table(rows) -> None:
         extra = ""
         if "rel_err" in r:
             extra = f"  vs transformers: {100 * r['frac_differ']:.3f}% differ, max {r['max_ulp']} ulp, rel {r['rel_err']:.1e}"
-        print(f"{r['op']:<18} T={r['T']:<7} {r['dtype']:<9} {r['tensor']:<3} err {r['kernel_err']:.2e} "
+        print(f"{r['op']:<18} {r.get('impl', ''):<7} T={r['T']:<7} {r['dtype']:<9} {r['tensor']:<3} err {r['kernel_err']:.2e} "
               f"<= {r['bound']:.2e} {'ok' if r['ok'] else 'FAIL'}{extra}")
 
 

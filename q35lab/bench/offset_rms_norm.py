@@ -11,6 +11,8 @@ Peers (each skipped, and said so, when it is not installed):
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from .. import shapes
@@ -69,8 +71,26 @@ def _module_impl(build, frozen: bool = False, compile: bool = False) -> Impl:
     return make
 
 
+def _hf_output(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    hf = _hf_class()(x.shape[-1]).to(device=x.device, dtype=x.dtype)
+    with torch.no_grad():
+        hf.weight.copy_(w)
+        return hf(x)
+
+
+def _liger_output(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    liger = _liger_class()(x.shape[-1]).to(device=x.device, dtype=x.dtype)
+    with torch.no_grad():
+        liger.weight.copy_(w)
+        return liger(x)
+
+
 def check(T: int, device, dtype=torch.bfloat16) -> list[dict]:
-    """Numerics at size ``T``: the rule for y, dx and dw; bf16 agreement with transformers."""
+    """Numerics at size ``T``: the rule for y, dx and dw; bf16 agreement with transformers.
+
+    Peers that run here (Liger needs a GPU) get the same rule and agreement for their output,
+    so the fidelity of ours is read beside theirs.
+    """
     inputs = make_inputs(T, device, dtype)
     x = inputs["x"].requires_grad_()
     w = inputs["w"].clone().requires_grad_()
@@ -87,15 +107,19 @@ def check(T: int, device, dtype=torch.bfloat16) -> list[dict]:
     rows = []
     for name, a, b, c in zip(("y", "dx", "dw"), out, ref, ref64):
         result = compare(name, a, b, c)
-        rows.append({"tensor": name, "kernel_err": result.kernel_err, "ref_err": result.ref_err,
-                     "bound": result.bound, "ok": result.ok})
+        rows.append({"impl": "q35lab", "tensor": name, "kernel_err": result.kernel_err,
+                     "ref_err": result.ref_err, "bound": result.bound, "ok": result.ok})
     try:
-        hf = _hf_class()(x.shape[-1]).to(device=device, dtype=dtype)
-        with torch.no_grad():
-            hf.weight.copy_(w)
-            rows[0].update(agreement(out[0].detach(), hf(x.detach())))
+        hf_y = _hf_output(x.detach(), w.detach())
     except ImportError:
         rows[0]["note"] = "transformers has no Qwen3_5RMSNorm: agreement not measured"
+        return rows
+    rows[0].update(agreement(out[0].detach(), hf_y))
+    if device.type == "cuda" and importlib.util.find_spec("liger_kernel"):
+        peer_y = _liger_output(x.detach(), w.detach())
+        result = compare("y", peer_y, ref[0].detach(), ref64[0].detach())
+        rows.append({"impl": "liger", "tensor": "y", "kernel_err": result.kernel_err, "ref_err": result.ref_err,
+                     "bound": result.bound, "ok": result.ok, **agreement(peer_y, hf_y)})
     return rows
 
 

@@ -90,7 +90,7 @@ def _offset_rms_norm_fwd_kernel(
             row64 = row.to(tl.int64)  # row·stride overflows int32 past 2³¹ elements
             x = tl.load(X + row64 * stride_x + cols, mask=col_mask, other=0.0).to(tl.float32)
             # Masked columns load as 0, so they add nothing to Σx²; divide by the true width.
-            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+            rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)  # as torch.rsqrt computes it
             y = (x * rstd) * w_plus_1
             tl.store(Y + row64 * stride_y + cols, y.to(Y.dtype.element_ty), mask=col_mask)
             tl.store(RSTD + row, rstd)
