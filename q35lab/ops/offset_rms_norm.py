@@ -33,6 +33,7 @@ import triton.language as tl
 
 from .. import runtime
 from ._checks import check_eps, check_float_tensor, check_same_device, check_weight, rows_view
+from ._launch import persistent_programs
 from ._reduce import sum_partials
 
 __all__ = [
@@ -221,19 +222,6 @@ def _default_config(n_cols: int) -> LaunchConfig:
     )
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _persistent_programs(device: torch.device, per_sm: int) -> int:
-    """Programs of the persistent backward: ``per_sm`` per multiprocessor."""
-    if device.type != "cuda":
-        return 4  # the interpreter: a handful of programs exercises the partial-dW reduction
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _sm_count(index) * per_sm
-
-
 # --------------------------------------------------------------------------------------------
 # Host functions: [rows, width] in, tensors out. No autograd here.
 # --------------------------------------------------------------------------------------------
@@ -276,7 +264,7 @@ def offset_rms_norm_bwd(
             dy2d, x2d, weight, rstd, dx, n_cols, *strides, BLOCK_COLS=block_cols, num_warps=config.frozen_warps
         )
         return dx, None
-    rows_per_program = triton.cdiv(n_rows, min(n_rows, _persistent_programs(x2d.device, config.bwd_programs_per_sm)))
+    rows_per_program = triton.cdiv(n_rows, min(n_rows, persistent_programs(x2d.device, config.bwd_programs_per_sm)))
     n_programs = triton.cdiv(n_rows, rows_per_program)
     dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x2d.device)
     _offset_rms_norm_bwd_kernel[(n_programs,)](
@@ -284,18 +272,6 @@ def offset_rms_norm_bwd(
         BLOCK_COLS=block_cols, NUM_STAGES=config.bwd_stages, num_warps=config.bwd_warps,
     )
     dw = sum_partials(dw_partial, weight.dtype)
-    return dx, dw
-    config = launch_config(n_cols)
-    n_programs = min(n_rows, _persistent_programs(x2d.device, config.bwd_programs_per_sm)) if compute_dw else n_rows
-    rows_per_program = triton.cdiv(n_rows, n_programs)
-    n_programs = triton.cdiv(n_rows, rows_per_program)
-    dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x2d.device) if compute_dw else dx
-    _offset_rms_norm_bwd_kernel[(n_programs,)](
-        dy2d, x2d, weight, rstd, dx, dw_partial, n_rows, n_cols, rows_per_program,
-        dy2d.stride(0), x2d.stride(0), dx.stride(0),
-        BLOCK_COLS=triton.next_power_of_2(n_cols), COMPUTE_DW=compute_dw, num_warps=config.bwd_warps,
-    )
-    dw = dw_partial.sum(0).to(weight.dtype) if compute_dw else None
     return dx, dw
 
 
