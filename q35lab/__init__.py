@@ -6,6 +6,7 @@ defined, hence ``runtime`` is imported first.
 """
 
 from . import runtime  # noqa: F401  (first: chooses compiled Triton or the interpreter)
+from .ops.gated_rms_norm import GatedRMSNorm, gated_rms_norm
 from .ops.offset_rms_norm import OffsetRMSNorm, offset_rms_norm
 from .patch import PatchReport, apply_to_qwen3_5, revert
 
@@ -14,6 +15,8 @@ __version__ = "0.1.0"
 __all__ = [
     "OffsetRMSNorm",
     "offset_rms_norm",
+    "GatedRMSNorm",
+    "gated_rms_norm",
     "apply_to_qwen3_5",
     "revert",
     "PatchReport",

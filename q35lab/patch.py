@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .ops.gated_rms_norm import GatedRMSNorm
 from .ops.offset_rms_norm import OffsetRMSNorm
 
 __all__ = ["PatchReport", "apply_to_qwen3_5", "revert"]
@@ -20,9 +21,11 @@ __all__ = ["PatchReport", "apply_to_qwen3_5", "revert"]
 #: against ``offset_rms_norm_ref`` in tests/test_patch.py).
 OFFSET_RMS_NORM_CLASSES = ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")
 
+#: transformers' gated norms after each GatedDeltaNet: w · bf16(x̂), rounded three times ("hf").
+HF_GATED_NORM_CLASSES = ("Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated")
+
 #: Optimizations whose issues have not landed yet: the flag is accepted, nothing is done.
 _NOT_YET = {
-    "gated_norm": "not implemented yet (gated RMSNorm fusion, issue 3)",
     "lora": "not implemented yet (LoRA without the PEFT cast tax, issue 4)",
     "in_proj": "not implemented yet (in_proj fusion, issue 5)",
     "flce": "not implemented yet (fused linear cross entropy, issue 6)",
@@ -36,6 +39,7 @@ class PatchReport:
     """What ``apply_to_qwen3_5`` (or ``revert``) did, counted by the class it replaced."""
 
     replaced: Counter = field(default_factory=Counter)  # original class name → count
+    left_alone: Counter = field(default_factory=Counter)  # "class: why" → count
     already_patched: int = 0
     not_applied: dict = field(default_factory=dict)  # flag → why it did nothing
     reverted: Counter = field(default_factory=Counter)
@@ -52,6 +56,8 @@ class PatchReport:
         lines = []
         for name, count in sorted(self.replaced.items()):
             lines.append(f"replaced {count} × {name}")
+        for why, count in sorted(self.left_alone.items()):
+            lines.append(f"left {count} × {why}")
         for name, count in sorted(self.reverted.items()):
             lines.append(f"restored {count} × {name}")
         if self.already_patched:
@@ -70,14 +76,47 @@ def _named_children_everywhere(model: torch.nn.Module):
             yield parent, name, child
 
 
-def _offset_norm_from(original: torch.nn.Module) -> OffsetRMSNorm:
-    """An OffsetRMSNorm sharing ``original``'s weight Parameter and eps."""
-    weight = original.weight
-    patched = OffsetRMSNorm(weight.shape[0], eps=original.eps, device="meta")
-    patched.weight = weight  # the same Parameter object: training state carries over
+def _share_weight(patched: torch.nn.Module, original: torch.nn.Module) -> torch.nn.Module:
+    """Give ``patched`` the original's weight Parameter (same object) and remember the original."""
+    patched.weight = original.weight  # training state, optimizer and PEFT references carry over
     patched.train(original.training)
     object.__setattr__(patched, _ORIGINAL, original)  # not a submodule: no duplicate state
     return patched
+
+
+def _offset_norm_from(original: torch.nn.Module) -> OffsetRMSNorm:
+    return _share_weight(OffsetRMSNorm(original.weight.shape[0], eps=original.eps, device="meta"), original)
+
+
+def _gated_norm_from_hf(original: torch.nn.Module) -> GatedRMSNorm:
+    width, eps = original.weight.shape[0], original.variance_epsilon
+    return _share_weight(GatedRMSNorm(width, eps=eps, rounding="hf", device="meta"), original)
+
+
+def _gated_norm_from_fla(original: torch.nn.Module) -> GatedRMSNorm | str:
+    """flash-linear-attention's FusedRMSNormGated, when it computes what ours does."""
+    if original.activation not in ("swish", "silu"):
+        return f"activation {original.activation!r} (only silu/swish is fused here)"
+    if original.weight is None or getattr(original, "bias", None) is not None:
+        return "no weight or a bias (not the GatedDeltaNet norm)"
+    width = original.weight.shape[0]
+    return _share_weight(GatedRMSNorm(width, eps=original.eps, rounding="fused", device="meta"), original)
+
+
+def _replacement_rule(module: torch.nn.Module):
+    """(flag, builder) for a module q35lab knows how to replace, else None.
+
+    Matched by class name *and* defining package, so that e.g. axolotl's class of the same name
+    as flash-linear-attention's is not mistaken for it.
+    """
+    cls = type(module)
+    if cls.__name__ in OFFSET_RMS_NORM_CLASSES and cls.__module__.startswith("transformers."):
+        return "rms_norm", _offset_norm_from
+    if cls.__name__ in HF_GATED_NORM_CLASSES and cls.__module__.startswith("transformers."):
+        return "gated_norm", _gated_norm_from_hf
+    if cls.__name__ == "FusedRMSNormGated" and cls.__module__.startswith("fla."):
+        return "gated_norm", _gated_norm_from_fla
+    return None
 
 
 def apply_to_qwen3_5(
@@ -92,23 +131,33 @@ def apply_to_qwen3_5(
     """Replace Qwen3.5's modules by q35lab's kernels, in place; returns what was done.
 
     Works on ``Qwen3_5ForCausalLM``, ``Qwen3_5ForConditionalGeneration``, the MoE variants and
-    any PEFT wrapper around them. Patching twice is harmless (the second report counts the
-    modules as already patched).
+    any PEFT wrapper around them. The modules are found by walking the model, so whichever class
+    the installed transformers put in a layer (its own, flash-linear-attention's, one with a hub
+    kernel attached) is the one replaced. Patching twice is harmless (the second report counts
+    the modules as already patched).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    enabled = {"rms_norm": rms_norm, "gated_norm": gated_norm}
     report = PatchReport()
-    for flag, enabled in (("gated_norm", gated_norm), ("lora", lora), ("in_proj", in_proj), ("flce", flce)):
-        if enabled:
+    for flag, wanted in (("lora", lora), ("in_proj", in_proj), ("flce", flce)):
+        if wanted:
             report.not_applied[flag] = _NOT_YET[flag]
-    if not rms_norm:
-        report.not_applied["rms_norm"] = "disabled by the caller"
-        return report
+    for flag, wanted in enabled.items():
+        if not wanted:
+            report.not_applied[flag] = "disabled by the caller"
     for parent, name, child in _named_children_everywhere(model):
-        if isinstance(child, OffsetRMSNorm) and hasattr(child, _ORIGINAL):
+        if hasattr(child, _ORIGINAL):
             report.already_patched += 1
-        elif type(child).__name__ in OFFSET_RMS_NORM_CLASSES:
-            setattr(parent, name, _offset_norm_from(child))
+            continue
+        rule = _replacement_rule(child)
+        if rule is None or not enabled[rule[0]]:
+            continue
+        replacement = rule[1](child)
+        if isinstance(replacement, str):
+            report.left_alone[f"{type(child).__name__}: {replacement}"] += 1
+        else:
+            setattr(parent, name, replacement)
             report.replaced[type(child).__name__] += 1
     return report
 

@@ -7,6 +7,7 @@ import torch
 
 import q35lab
 from q35lab.runtime import device
+from q35lab.ops.gated_rms_norm import GatedRMSNorm, GatedRMSNormFunction
 from q35lab.ops.offset_rms_norm import OffsetRMSNorm, OffsetRMSNormFunction
 
 from tiny_models import causal_lm, moe_causal_lm, multimodal
@@ -30,35 +31,33 @@ def _assert_same_step(a, b):
         torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("build,norm_class", [(causal_lm, "Qwen3_5RMSNorm"), (moe_causal_lm, "Qwen3_5MoeRMSNorm")])
-def test_same_logits_loss_and_gradients_patched_unpatched_reverted(build, norm_class):
+@pytest.mark.parametrize(
+    "build,norm_class,gated_class",
+    [(causal_lm, "Qwen3_5RMSNorm", "Qwen3_5RMSNormGated"), (moe_causal_lm, "Qwen3_5MoeRMSNorm", "Qwen3_5MoeRMSNormGated")],
+)
+def test_same_logits_loss_and_gradients_patched_unpatched_reverted(build, norm_class, gated_class):
     model = build()
     ids = torch.randint(0, 128, (2, 11), device=device())
     before = _loss_and_grads(model, ids)
     n_norms = sum(type(m).__name__ == norm_class for m in model.modules())
+    n_gated = sum(type(m).__name__ == gated_class for m in model.modules())
 
     report = q35lab.apply_to_qwen3_5(model)
-    assert report.replaced == {norm_class: n_norms} and n_norms == 7  # 2 layers × 2, q/k norm, final
-    assert not any(type(m).__name__ == norm_class for m in model.modules())
+    # 2 layers × 2, q/k norm of the attention layer, final norm; one gated norm per GatedDeltaNet
+    assert report.replaced == {norm_class: 7, gated_class: 1} and (n_norms, n_gated) == (7, 1)
+    assert not any(type(m).__name__ in (norm_class, gated_class) for m in model.modules())
     _assert_same_step(before, _loss_and_grads(model, ids))
 
     undone = q35lab.revert(model)
-    assert undone.reverted == {norm_class: n_norms}
-    assert not any(isinstance(m, OffsetRMSNorm) for m in model.modules())
+    assert undone.reverted == {norm_class: 7, gated_class: 1}
+    assert not any(isinstance(m, (OffsetRMSNorm, GatedRMSNorm)) for m in model.modules())
     _assert_same_step(before, _loss_and_grads(model, ids))
 
 
 def test_forward_goes_through_the_kernel(monkeypatch):
     model = causal_lm()
     q35lab.apply_to_qwen3_5(model)
-    calls = []
-    original = OffsetRMSNormFunction.forward
-
-    def counting(ctx, *args):
-        calls.append(args[0].shape)
-        return original(ctx, *args)
-
-    monkeypatch.setattr(OffsetRMSNormFunction, "forward", staticmethod(counting))
+    calls = _count_calls(monkeypatch, OffsetRMSNormFunction)
     model(input_ids=torch.randint(0, 128, (1, 5), device=device()))
     assert len(calls) == 7
 
@@ -83,7 +82,7 @@ def test_multimodal_model_is_patched():
     model = multimodal()
     n_norms = sum(type(m).__name__ == "Qwen3_5RMSNorm" for m in model.modules())
     report = q35lab.apply_to_qwen3_5(model)
-    assert report.replaced == {"Qwen3_5RMSNorm": n_norms} and n_norms >= 7
+    assert report.replaced == {"Qwen3_5RMSNorm": n_norms, "Qwen3_5RMSNormGated": 1} and n_norms >= 7
     ids = torch.randint(0, 100, (1, 6), device=device())
     assert torch.isfinite(model(input_ids=ids).logits).all()
 
@@ -92,7 +91,7 @@ def test_patching_twice_is_harmless_and_reported():
     model = causal_lm()
     first = q35lab.apply_to_qwen3_5(model)
     second = q35lab.apply_to_qwen3_5(model)
-    assert first.total == 7 and second.total == 0 and second.already_patched == 7
+    assert first.total == 8 and second.total == 0 and second.already_patched == 8
     assert "already patched" in str(second)
     q35lab.revert(model)
     assert q35lab.revert(model).reverted == {}
@@ -105,10 +104,13 @@ def test_model_with_nothing_to_patch():
 
 def test_flags_of_later_optimizations_are_reported_not_applied():
     report = q35lab.apply_to_qwen3_5(causal_lm(), gated_norm=True, lora=True, in_proj=True, flce=True)
-    assert set(report.not_applied) == {"gated_norm", "lora", "in_proj", "flce"}
+    assert set(report.not_applied) == {"lora", "in_proj", "flce"}
     assert all("not implemented yet" in why for why in report.not_applied.values())
     off = q35lab.apply_to_qwen3_5(causal_lm(), rms_norm=False, gated_norm=False, lora=False, in_proj=False, flce=False)
-    assert off.total == 0 and off.not_applied == {"rms_norm": "disabled by the caller"}
+    assert off.total == 0
+    assert off.not_applied == {"rms_norm": "disabled by the caller", "gated_norm": "disabled by the caller"}
+    only_gated = q35lab.apply_to_qwen3_5(causal_lm(), rms_norm=False)
+    assert only_gated.replaced == {"Qwen3_5RMSNormGated": 1}
 
 
 def test_bad_model_argument():
@@ -126,7 +128,96 @@ def test_peft_wrapped_model():
     assert all(not p.requires_grad for n, p in peft_model.named_parameters() if "norm" in n)
 
     report = q35lab.apply_to_qwen3_5(peft_model)
-    assert report.replaced == {"Qwen3_5RMSNorm": 7}
+    assert report.replaced == {"Qwen3_5RMSNorm": 7, "Qwen3_5RMSNormGated": 1}
     _assert_same_step(before, _loss_and_grads(peft_model, ids))
-    assert q35lab.revert(peft_model).reverted == {"Qwen3_5RMSNorm": 7}
+    assert q35lab.revert(peft_model).reverted == {"Qwen3_5RMSNorm": 7, "Qwen3_5RMSNormGated": 1}
     _assert_same_step(before, _loss_and_grads(peft_model, ids))
+
+
+def _count_calls(monkeypatch, function):
+    calls = []
+    original = function.forward
+
+    def counting(ctx, *args):
+        calls.append(args[0].shape)
+        return original(ctx, *args)
+
+    monkeypatch.setattr(function, "forward", staticmethod(counting))
+    return calls
+
+
+class _FlaStandIn(torch.nn.Module):
+    """The attributes and forward of flash-linear-attention's FusedRMSNormGated (fused rounding).
+
+    Its module path mimics fla's, so the patch sees what it would see with fla installed; on a
+    machine that has fla, the real class is tested too (test_real_fla_norm_is_patched).
+    """
+
+    def __init__(self, hidden_size, eps=1e-6, activation="swish"):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.register_parameter("bias", None)
+        self.eps, self.activation = eps, activation
+
+    def forward(self, x, g):
+        from q35lab.ops.gated_rms_norm import gated_rms_norm_ref
+
+        return gated_rms_norm_ref(x, g, self.weight, self.eps, rounding="fused")
+
+
+_FlaStandIn.__name__ = "FusedRMSNormGated"
+_FlaStandIn.__module__ = "fla.modules.fused_norm_gate"
+
+
+def _gdn_layers(model):
+    return [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+
+
+@pytest.mark.parametrize("norm_source", ["transformers", "fla"])
+def test_patch_reaches_the_gated_norm_the_forward_calls(monkeypatch, norm_source):
+    """Whichever class sits in the GatedDeltaNet, the forward must go through our kernel."""
+    model = causal_lm()
+    gdns = _gdn_layers(model)
+    assert len(gdns) == 1
+    if norm_source == "fla":  # as transformers builds the layer when fla is installed
+        for gdn in gdns:
+            stand_in = _FlaStandIn(gdn.norm.weight.shape[0], eps=gdn.norm.variance_epsilon).to(device())
+            with torch.no_grad():
+                stand_in.weight.copy_(gdn.norm.weight)
+            gdn.norm = stand_in
+    ids = torch.randint(0, 128, (2, 9), device=device())
+    before = _loss_and_grads(model, ids)
+    report = q35lab.apply_to_qwen3_5(model, rms_norm=False)
+    expected_class = "FusedRMSNormGated" if norm_source == "fla" else "Qwen3_5RMSNormGated"
+    assert report.replaced == {expected_class: 1}
+    assert all(isinstance(g.norm, GatedRMSNorm) for g in gdns)
+    assert gdns[0].norm.rounding == ("fused" if norm_source == "fla" else "hf")
+    calls = _count_calls(monkeypatch, GatedRMSNormFunction)
+    _assert_same_step(before, _loss_and_grads(model, ids))
+    assert len(calls) == len(gdns)
+
+
+def test_fla_norm_with_another_activation_is_left_alone():
+    model = causal_lm()
+    gdn = _gdn_layers(model)[0]
+    gdn.norm = _FlaStandIn(gdn.norm.weight.shape[0], activation="sigmoid").to(device())
+    report = q35lab.apply_to_qwen3_5(model, rms_norm=False)
+    assert report.replaced == {} and sum(report.left_alone.values()) == 1
+    assert "sigmoid" in str(report)
+
+
+def test_a_same_named_class_from_elsewhere_is_not_mistaken_for_fla():
+    model = causal_lm()
+    gdn = _gdn_layers(model)[0]
+    other = type("FusedRMSNormGated", (_FlaStandIn,), {"__module__": "axolotl.kernels.rms_norm_gated"})
+    gdn.norm = other(gdn.norm.weight.shape[0]).to(device())
+    assert q35lab.apply_to_qwen3_5(model, rms_norm=False).replaced == {}
+
+
+def test_real_fla_norm_is_patched():
+    fla_norm = pytest.importorskip("fla.modules").FusedRMSNormGated
+    model = causal_lm()
+    gdn = _gdn_layers(model)[0]
+    gdn.norm = fla_norm(gdn.norm.weight.shape[0], eps=1e-6, activation="silu").to(device())
+    report = q35lab.apply_to_qwen3_5(model, rms_norm=False)
+    assert report.replaced == {"FusedRMSNormGated": 1} and gdn.norm.rounding == "fused"

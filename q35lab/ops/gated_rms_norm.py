@@ -1,0 +1,378 @@
+"""Gated RMSNorm, the output norm of every Qwen3.5 GatedDeltaNet, fused with its SiLU gate.
+
+Per row ``x`` of width ``N`` (one value head: rows = tokens × 32 heads, N = 128), with the
+gate ``g`` (the ``in_proj_z`` projection of the layer input)::
+
+    rstd = 1 / sqrt(mean(x²) + eps)                 # fp32
+    x̂    = x · rstd
+    y    = x̂ · w · silu(g),   silu(g) = g · σ(g)
+
+Two rounding modes, because the two implementations a Qwen3.5 model may run disagree:
+
+* ``rounding="hf"`` reproduces transformers' ``Qwen3_5RMSNormGated``: ``x̂`` is rounded to the
+  input dtype, ``w · x̂`` is rounded to ``promote(w.dtype, x.dtype)``, the product with
+  ``silu(g)`` (fp32) is rounded once more at the end: three roundings in bf16;
+* ``rounding="fused"`` keeps fp32 to the end and rounds once, as flash-linear-attention's
+  ``FusedRMSNormGated`` does (``((x̂ · w) · g) · σ(g)``).
+
+Backward (both modes compute the exact fp32 gradient of the formula above), with
+``a = silu(g)``, ``s = σ(g)`` and ``gx = dy · w · a`` the gradient reaching ``x̂``::
+
+    dx = rstd · (gx − x̂ · mean(gx · x̂))
+    dg = dy · x̂ · w · s · (1 + g · (1 − s))
+    dw = Σ_rows dy · x̂ · a                          # fp32 partial per program, reduced once
+
+Nothing is saved but the inputs: ``rstd`` is recomputed in the backward, which reads ``x``
+anyway (4 bytes a row would be 1.6 % of the traffic at width 128).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import check_eps, check_float_tensor, check_same_device, check_weight, rows_view
+from ._launch import persistent_programs
+from ._reduce import sum_partials
+
+__all__ = [
+    "ROUNDINGS",
+    "gated_rms_norm_ref",
+    "gated_rms_norm_fwd",
+    "gated_rms_norm_bwd",
+    "GatedRMSNormFunction",
+    "gated_rms_norm",
+    "GatedRMSNorm",
+]
+
+ROUNDINGS = ("hf", "fused")
+#: Widest row one tile holds; GatedDeltaNet's is 128.
+MAX_WIDTH = 8192
+
+
+# --------------------------------------------------------------------------------------------
+# References: transformers' Qwen3_5RMSNormGated ("hf") and fla's FusedRMSNormGated ("fused").
+# --------------------------------------------------------------------------------------------
+def gated_rms_norm_ref(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, rounding: str = "hf"
+) -> torch.Tensor:
+    """The PyTorch reference of both modes; with fp64 inputs, the exact answer (no rounding)."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(compute)
+    x_hat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    act = torch.nn.functional.silu(gate.to(compute))
+    if rounding == "hf":  # transformers, line for line
+        h = weight * x_hat.to(x.dtype)
+        return (h * act).to(x.dtype)
+    return (x_hat * weight.to(compute) * act).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels. A program owns BLOCK_ROWS whole rows (rows are only 128 wide: one row per program
+# would move 256 bytes, far too little to hide memory latency).
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _silu(g, HF_ROUNDING: tl.constexpr):
+    """silu(g) as each reference computes it: torch's g / (1 + e^-g), or fla's g · σ(g)."""
+    if HF_ROUNDING:
+        return tl.div_rn(g, 1.0 + tl.exp(-g))
+    else:
+        return g * tl.sigmoid(g)
+
+
+@triton.jit
+def _rstd(x, n_cols, eps, HF_ROUNDING: tl.constexpr):
+    """1/sqrt(mean(x²) + eps) per row, as each reference computes it."""
+    mean_sq = tl.sum(x * x, axis=1) / n_cols  # masked columns load as 0
+    if HF_ROUNDING:
+        return tl.math.rsqrt(mean_sq + eps)
+    else:
+        return 1.0 / tl.sqrt(mean_sq + eps)
+
+
+@triton.jit
+def _gated_rms_norm_fwd_kernel(
+    X,  # [n_rows, n_cols] normalised input (GatedDeltaNet's core output)
+    G,  # [n_rows, n_cols] gate
+    W,  # [n_cols] weight
+    Y,  # [n_rows, n_cols] output, x.dtype
+    n_rows,
+    n_cols,
+    stride_x,
+    stride_g,
+    stride_y,
+    eps,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    HF_ROUNDING: tl.constexpr,
+    ROUND_AFTER_WEIGHT: tl.constexpr,  # "hf" with a 16-bit weight: w·x̂ is rounded too
+):
+    rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_COLS)
+    col_mask = cols < n_cols
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+
+    x_hat = x * _rstd(x, n_cols, eps, HF_ROUNDING)[:, None]
+    if HF_ROUNDING:
+        x_hat = x_hat.to(X.dtype.element_ty).to(tl.float32)  # hidden_states.to(input_dtype)
+        h = w * x_hat
+        if ROUND_AFTER_WEIGHT:
+            h = h.to(X.dtype.element_ty).to(tl.float32)  # weight * (bf16) stays bf16
+        y = h * _silu(g, HF_ROUNDING)
+    else:
+        y = ((x_hat * w) * g) * tl.sigmoid(g)  # fla's order
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _tile_backward(x, g, dy, w, n_cols, eps, HF_ROUNDING: tl.constexpr):
+    """One tile of rows: returns (dx, dg, dy·x̂·silu(g)), the last one summed into dW."""
+    rstd = _rstd(x, n_cols, eps, HF_ROUNDING)[:, None]
+    x_hat = x * rstd
+    act = _silu(g, HF_ROUNDING)
+    sig = tl.sigmoid(g)
+    gx = dy * w * act  # dL/dx̂
+    c = tl.sum(gx * x_hat, axis=1)[:, None] / n_cols
+    dx = (gx - x_hat * c) * rstd
+    dg = dy * x_hat * w * (sig * (1.0 + g * (1.0 - sig)))
+    return dx, dg, dy * x_hat * act
+
+
+@triton.jit
+def _gated_rms_norm_bwd_frozen_kernel(
+    DY, X, G, W, DX, DG,  # [n_rows, n_cols] each, W [n_cols]
+    n_rows,
+    n_cols,
+    stride,  # one row stride for all six (the host makes them contiguous)
+    eps,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    HF_ROUNDING: tl.constexpr,
+):
+    """Frozen weight: one tile per program, nothing reduced across programs."""
+    rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_COLS)
+    col_mask = cols < n_cols
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    offsets = rows[:, None] * stride + cols[None, :]
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + offsets, mask=mask, other=0.0).to(tl.float32)
+    dx, dg, _ = _tile_backward(x, g, dy, w, n_cols, eps, HF_ROUNDING)
+    tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DG + offsets, dg.to(DG.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_rms_norm_bwd_kernel(
+    DY, X, G, W, DX, DG,  # [n_rows, n_cols] each, W [n_cols]
+    DW_PARTIAL,  # [n_programs, n_cols] fp32
+    n_rows,
+    n_cols,
+    rows_per_program,  # a multiple of BLOCK_ROWS
+    stride,
+    eps,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    HF_ROUNDING: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """Trainable weight: a persistent program walks its contiguous rows tile by tile, loading
+    the next tile before computing the current one, and writes one fp32 partial row of dW."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_COLS)
+    col_mask = cols < n_cols
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    dw_acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+
+    first_row = pid * rows_per_program
+    last_row = tl.minimum(first_row + rows_per_program, n_rows)
+    rows = first_row.to(tl.int64) + tl.arange(0, BLOCK_ROWS)
+    mask = (rows < last_row)[:, None] & col_mask[None, :]
+    offsets = rows[:, None] * stride + cols[None, :]
+    dy_next = tl.load(DY + offsets, mask=mask, other=0.0)
+    x_next = tl.load(X + offsets, mask=mask, other=0.0)
+    g_next = tl.load(G + offsets, mask=mask, other=0.0)
+    for _ in tl.range(first_row, last_row, BLOCK_ROWS, num_stages=NUM_STAGES):
+        dy = dy_next.to(tl.float32)
+        x = x_next.to(tl.float32)
+        g = g_next.to(tl.float32)
+        cur_mask = mask
+        cur_offsets = offsets
+        rows += BLOCK_ROWS
+        mask = (rows < last_row)[:, None] & col_mask[None, :]
+        offsets += BLOCK_ROWS * stride
+        dy_next = tl.load(DY + offsets, mask=mask, other=0.0)
+        x_next = tl.load(X + offsets, mask=mask, other=0.0)
+        g_next = tl.load(G + offsets, mask=mask, other=0.0)
+
+        dx, dg, dw_part = _tile_backward(x, g, dy, w, n_cols, eps, HF_ROUNDING)
+        tl.store(DX + cur_offsets, dx.to(DX.dtype.element_ty), mask=cur_mask)
+        tl.store(DG + cur_offsets, dg.to(DG.dtype.element_ty), mask=cur_mask)
+        dw_acc += dw_part  # masked rows and columns contribute dy = 0
+    tl.store(DW_PARTIAL + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configuration (H200 tuning: scripts/tune_gated_rms_norm.py).
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LaunchConfig:
+    fwd_block_rows: int
+    fwd_warps: int
+    bwd_block_rows: int
+    bwd_warps: int
+    bwd_programs_per_sm: int
+    bwd_stages: int
+    frozen_block_rows: int
+    frozen_warps: int
+
+
+#: Set by the tuning script to try other configurations; None in normal use.
+CONFIG_OVERRIDE: LaunchConfig | None = None
+
+
+def launch_config(n_cols: int) -> LaunchConfig:
+    return CONFIG_OVERRIDE if CONFIG_OVERRIDE is not None else _default_config(n_cols)
+
+
+@functools.lru_cache(maxsize=64)
+def _default_config(n_cols: int) -> LaunchConfig:
+    """Tiles of ~4k elements (32 rows of 128): 16 bytes per thread per tensor at 4 warps."""
+    block_cols = triton.next_power_of_2(n_cols)
+    rows = max(1, 4096 // block_cols)
+    warps = max(1, min(8, rows * block_cols // 1024))
+    return LaunchConfig(
+        fwd_block_rows=rows, fwd_warps=warps,
+        bwd_block_rows=max(1, rows // 2), bwd_warps=warps, bwd_programs_per_sm=4, bwd_stages=1,
+        frozen_block_rows=rows, frozen_warps=warps,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Host functions.
+# --------------------------------------------------------------------------------------------
+def gated_rms_norm_fwd(x2d: torch.Tensor, g2d: torch.Tensor, weight: torch.Tensor, eps: float, rounding: str) -> torch.Tensor:
+    """Forward over contiguous ``[rows, width]`` matrices."""
+    n_rows, n_cols = x2d.shape
+    y = torch.empty_like(x2d)
+    if n_rows == 0:
+        return y
+    config = launch_config(n_cols)
+    round_after_weight = torch.promote_types(weight.dtype, x2d.dtype).itemsize < 4
+    _gated_rms_norm_fwd_kernel[(triton.cdiv(n_rows, config.fwd_block_rows),)](
+        x2d, g2d, weight, y, n_rows, n_cols, x2d.stride(0), g2d.stride(0), y.stride(0), eps,
+        BLOCK_ROWS=config.fwd_block_rows, BLOCK_COLS=triton.next_power_of_2(n_cols),
+        HF_ROUNDING=rounding == "hf", ROUND_AFTER_WEIGHT=round_after_weight, num_warps=config.fwd_warps,
+    )
+    return y
+
+
+def gated_rms_norm_bwd(
+    dy2d: torch.Tensor, x2d: torch.Tensor, g2d: torch.Tensor, weight: torch.Tensor, eps: float,
+    rounding: str, compute_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Backward over contiguous ``[rows, width]`` matrices: ``(dx, dgate, dw or None)``."""
+    n_rows, n_cols = x2d.shape
+    dx, dg = torch.empty_like(x2d), torch.empty_like(g2d)
+    if n_rows == 0:
+        return dx, dg, (torch.zeros_like(weight) if compute_dw else None)
+    config = launch_config(n_cols)
+    block_cols = triton.next_power_of_2(n_cols)
+    hf = rounding == "hf"
+    if not compute_dw:
+        _gated_rms_norm_bwd_frozen_kernel[(triton.cdiv(n_rows, config.frozen_block_rows),)](
+            dy2d, x2d, g2d, weight, dx, dg, n_rows, n_cols, x2d.stride(0), eps,
+            BLOCK_ROWS=config.frozen_block_rows, BLOCK_COLS=block_cols, HF_ROUNDING=hf,
+            num_warps=config.frozen_warps,
+        )
+        return dx, dg, None
+    block_rows = config.bwd_block_rows
+    n_tiles = triton.cdiv(n_rows, block_rows)
+    tiles_per_program = triton.cdiv(n_tiles, min(n_tiles, persistent_programs(x2d.device, config.bwd_programs_per_sm)))
+    n_programs = triton.cdiv(n_tiles, tiles_per_program)
+    dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x2d.device)
+    _gated_rms_norm_bwd_kernel[(n_programs,)](
+        dy2d, x2d, g2d, weight, dx, dg, dw_partial, n_rows, n_cols, tiles_per_program * block_rows,
+        x2d.stride(0), eps, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, HF_ROUNDING=hf,
+        NUM_STAGES=config.bwd_stages, num_warps=config.bwd_warps,
+    )
+    return dx, dg, sum_partials(dw_partial, weight.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd, functional form, module.
+# --------------------------------------------------------------------------------------------
+class GatedRMSNormFunction(torch.autograd.Function):
+    """Autograd node: saves x, gate and w (the layer keeps them alive anyway), nothing else."""
+
+    @staticmethod
+    def forward(ctx, x, gate, weight, eps: float, rounding: str):
+        x2d, g2d = rows_view(x), rows_view(gate)
+        ctx.save_for_backward(x2d, g2d, weight)
+        ctx.eps, ctx.rounding = eps, rounding
+        return gated_rms_norm_fwd(x2d, g2d, weight, eps, rounding).view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, g2d, weight = ctx.saved_tensors
+        needs_dx, needs_dg, needs_dw = ctx.needs_input_grad[:3]
+        dx, dg, dw = gated_rms_norm_bwd(rows_view(dy), x2d, g2d, weight, ctx.eps, ctx.rounding, needs_dw)
+        return (dx.view(dy.shape) if needs_dx else None), (dg.view(dy.shape) if needs_dg else None), dw, None, None
+
+
+def gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, rounding: str = "hf"
+) -> torch.Tensor:
+    """Gated RMSNorm: ``y = w · x·rsqrt(mean(x²)+eps) · silu(gate)``, fused.
+
+    Args:
+        x: activations of any leading shape, last dimension = width; bf16, fp16 or fp32.
+        gate: same shape and dtype as ``x``.
+        weight: ``[width]``; its gradient is skipped when it does not require grad.
+        eps: added to the mean square.
+        rounding: ``"hf"`` (transformers' cast order) or ``"fused"`` (one rounding, fla's).
+    """
+    check_float_tensor("x", x)
+    check_float_tensor("gate", gate)
+    check_float_tensor("weight", weight)
+    if x.dim() == 0:
+        raise ValueError("x: expected at least one dimension (the head width), got a scalar")
+    if gate.shape != x.shape:
+        raise ValueError(f"gate: expected the shape of x {tuple(x.shape)}, got {tuple(gate.shape)}")
+    if gate.dtype != x.dtype:
+        raise TypeError(f"gate: expected the dtype of x ({x.dtype}), got {gate.dtype}")
+    check_weight("weight", weight, x.shape[-1])
+    check_same_device(x=x, gate=gate, weight=weight)
+    eps = check_eps(eps)
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding: expected one of {ROUNDINGS}, got {rounding!r}")
+    if x.shape[-1] > MAX_WIDTH:
+        raise ValueError(f"x: last dimension {x.shape[-1]} exceeds the supported width {MAX_WIDTH}")
+    return GatedRMSNormFunction.apply(x, gate, weight, eps, rounding)
+
+
+class GatedRMSNorm(torch.nn.Module):
+    """Drop-in for transformers' ``Qwen3_5RMSNormGated`` (``forward(x, gate)``, weight of ones)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, rounding: str = "hf", *, device=None, dtype=None):
+        super().__init__()
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"rounding: expected one of {ROUNDINGS}, got {rounding!r}")
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.eps = eps
+        self.rounding = rounding
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return gated_rms_norm(x, gate, self.weight, self.eps, self.rounding)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, rounding={self.rounding!r}"

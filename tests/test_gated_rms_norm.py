@@ -1,0 +1,139 @@
+"""The fused gated RMSNorm against transformers' math (and fla's), by the DESIGN.md rule."""
+
+import pytest
+import torch
+
+import q35lab
+from q35lab.numerics import agreement, assert_close_by_rule
+from q35lab.ops.gated_rms_norm import GatedRMSNorm, gated_rms_norm, gated_rms_norm_ref
+from q35lab.runtime import device
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _run(fn, x, g, w, dy, rounding):
+    y = fn(x, g, w, 1e-6, rounding)
+    wanted = [t for t in (x, g, w) if t.requires_grad]
+    return y, torch.autograd.grad(y, wanted, dy)
+
+
+def _check(shape, dtype, rounding, w_requires_grad=True, w_dtype=None):
+    dev = device()
+    x = torch.randn(shape, device=dev).to(dtype).requires_grad_()
+    g = (2 * torch.randn(shape, device=dev)).to(dtype).requires_grad_()
+    w = (1 + 0.2 * torch.randn(shape[-1], device=dev)).to(w_dtype or dtype).requires_grad_(w_requires_grad)
+    dy = torch.randn(shape, device=dev).to(dtype)
+    out, out_grads = _run(gated_rms_norm, x, g, w, dy, rounding)
+    ref, ref_grads = _run(gated_rms_norm_ref, x, g, w, dy, rounding)
+    x64, g64 = x.detach().double().requires_grad_(), g.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_(w_requires_grad)
+    ref64, ref64_grads = _run(gated_rms_norm_ref, x64, g64, w64, dy.double(), rounding)
+    assert out.shape == x.shape and out.dtype == dtype and torch.isfinite(out).all()
+    assert_close_by_rule("y", out, ref, ref64)
+    names = ["dx", "dgate", "dw"][: len(out_grads)]
+    for name, a, b, c in zip(names, out_grads, ref_grads, ref64_grads):
+        assert a.dtype == b.dtype
+        assert_close_by_rule(name, a, b, c)
+    return out, ref
+
+
+@pytest.mark.parametrize("rounding", ["hf", "fused"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "shape", [(1, 128), (67, 128), (2, 5, 64), (33, 100), (3, 7, 96)], ids=lambda s: "x".join(map(str, s))
+)
+def test_forward_and_all_gradients_match_reference(shape, dtype, rounding):
+    _check(shape, dtype, rounding)
+
+
+@pytest.mark.parametrize("rounding", ["hf", "fused"])
+@pytest.mark.parametrize("n_rows", [1, 15, 16, 17, 200])  # tiles of 16/32 rows, 4 programs on CPU
+def test_row_counts_around_the_tile(n_rows, rounding):
+    _check((n_rows, 128), torch.bfloat16, rounding)
+
+
+@pytest.mark.parametrize("rounding", ["hf", "fused"])
+def test_frozen_weight(rounding):
+    _check((40, 128), torch.bfloat16, rounding, w_requires_grad=False)
+    x = torch.randn(4, 128, device=device(), requires_grad=True)
+    w = torch.ones(128, device=device())
+    gated_rms_norm(x, torch.randn_like(x), w, rounding=rounding).sum().backward()
+    assert w.grad is None and x.grad is not None
+
+
+def test_fp32_weight_with_bf16_activations():
+    """transformers promotes w·bf16(x̂) to fp32 then: no rounding after the weight."""
+    out, ref = _check((50, 128), torch.bfloat16, "hf", w_dtype=torch.float32)
+    assert agreement(out.detach(), ref.detach())["frac_differ"] <= 1e-3
+
+
+def test_hf_mode_is_bit_identical_to_the_transformers_module():
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
+
+    hf = Qwen3_5RMSNormGated(128, eps=1e-6).to(device=device(), dtype=torch.bfloat16)
+    with torch.no_grad():
+        hf.weight.normal_(1.0, 0.2)
+    ours = GatedRMSNorm(128, eps=1e-6).to(device=device(), dtype=torch.bfloat16)
+    ours.load_state_dict(hf.state_dict())
+    x = torch.randn(32 * 9, 128, device=device(), dtype=torch.bfloat16)
+    g = 2 * torch.randn_like(x)
+    stats = agreement(ours(x, g), hf(x, g))
+    assert stats["frac_differ"] <= 1e-3 and stats["max_ulp"] <= 1
+
+
+def test_fused_mode_rounds_once_and_is_closer_to_fp64():
+    x = torch.randn(32 * 16, 128, device=device(), dtype=torch.bfloat16)
+    g = 2 * torch.randn_like(x)
+    w = (1 + 0.2 * torch.randn(128, device=device())).to(torch.bfloat16)
+    exact = gated_rms_norm_ref(x.double(), g.double(), w.double())
+    err = {r: (gated_rms_norm(x, g, w, rounding=r).double() - exact).norm().item() for r in ("hf", "fused")}
+    assert err["fused"] < err["hf"]
+
+
+def test_module_is_a_drop_in():
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
+
+    ours, hf = GatedRMSNorm(128), Qwen3_5RMSNormGated(128)
+    assert list(ours.state_dict()) == list(hf.state_dict()) == ["weight"]
+    assert torch.all(ours.weight == 1)
+    assert "rounding='hf'" in repr(ours)
+    assert q35lab.GatedRMSNorm is GatedRMSNorm and q35lab.gated_rms_norm is gated_rms_norm
+
+
+def test_non_contiguous_inputs():
+    base = torch.randn(10, 2, 128, device=device())
+    x, g = base[:, 0], base[:, 1]  # strided rows
+    w = 1 + 0.1 * torch.randn(128, device=device())
+    assert not x.is_contiguous()
+    torch.testing.assert_close(gated_rms_norm(x, g, w), gated_rms_norm_ref(x, g, w), rtol=1e-5, atol=1e-5)
+
+
+def test_empty_input():
+    x = torch.randn(0, 128, device=device(), requires_grad=True)
+    g = torch.randn(0, 128, device=device(), requires_grad=True)
+    w = torch.ones(128, device=device(), requires_grad=True)
+    y = gated_rms_norm(x, g, w)
+    dx, dg, dw = torch.autograd.grad(y, [x, g, w], torch.ones_like(y))
+    assert y.shape == (0, 128) and dx.shape == dg.shape == (0, 128) and torch.all(dw == 0)
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,error,message",
+    [
+        ((torch.randn(4, 8), torch.randn(4, 9), torch.ones(8)), {}, ValueError, "gate: expected the shape of x"),
+        ((torch.randn(4, 8), torch.randn(4, 8), torch.ones(9)), {}, ValueError, "weight: expected a 1-D tensor of size 8"),
+        ((torch.ones(4, 8, dtype=torch.int32), torch.randn(4, 8), torch.ones(8)), {}, TypeError, "x: expected dtype"),
+        ((torch.randn(4, 8), torch.ones(4, 8, dtype=torch.int64), torch.ones(8)), {}, TypeError, "gate: expected dtype"),
+        ((torch.randn(4, 8), torch.randn(4, 8).half(), torch.ones(8)), {}, TypeError, "gate: expected the dtype of x"),
+        ((torch.randn(4, 8), torch.randn(4, 8), torch.ones(8)), {"rounding": "llama"}, ValueError, "rounding: expected"),
+        ((torch.randn(4, 8), torch.randn(4, 8), torch.ones(8)), {"eps": 0.0}, ValueError, "eps: expected a positive"),
+    ],
+)
+def test_bad_input_raises_naming_the_argument(args, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        gated_rms_norm(*args, **kwargs)
+
+
+def test_bad_rounding_in_module():
+    with pytest.raises(ValueError, match="rounding"):
+        GatedRMSNorm(128, rounding="exact")
