@@ -27,6 +27,7 @@ COLORS = {
     "peft": "#bcbd22",
     "peft (bf16 adapters)": "#17becf",
     "q35lab (frozen w)": "#6baed6",
+    "q35lab fused": "#08519c",
     "q35lab": "#1f4e9c",
 }
 _EXTRA = ["#d62728", "#aec7e8", "#98df8a", "#c5b0d5", "#c49c94"]

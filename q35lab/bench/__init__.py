@@ -76,6 +76,31 @@ def _configure_compile() -> None:
             setattr(torch._dynamo.config, name, 256)
 
 
+def _measure_impl(bench: OpBench, impl_name: str, T: int, ceilings: core.Ceilings, info: dict) -> list[dict]:
+    """Every pass of one implementation at one size, as CSV rows."""
+    make, needs = bench.impls[impl_name]
+    skip = _missing(needs)
+    n_sets = max(1, min(16, math.ceil(core.ROTATE_BYTES / max(bench.bytes_model(T, "fwd+bwd"), 1))))
+    inputs_sets = [bench.make_inputs(T, runtime.device()) for _ in range(n_sets)] if not skip else []
+    rows = []
+    for pass_ in bench.passes:
+        case = core.Case(bench.name, impl_name, pass_, T, bytes=bench.bytes_model(T, pass_))
+        if skip:
+            timing = core.Timing(status="skipped", note=skip)
+        else:
+            try:
+                timing = core.measure(_pass_calls(make, inputs_sets, pass_))
+            except torch.cuda.OutOfMemoryError:
+                timing = core.Timing(status="oom", note="out of memory")
+            except Exception as exc:  # a peer failing is a result, not a crash
+                timing = core.Timing(status="error", note=f"{type(exc).__name__}: {exc}"[:200])
+            torch.cuda.empty_cache()
+        rows.append(core.make_row(case, timing, ceilings, info))
+    del inputs_sets
+    torch.cuda.empty_cache()
+    return rows
+
+
 def run(ops=None, *, quick: bool = False, out: Path | None = None, progress: bool = True) -> dict[str, Path]:
     """Sweep ``ops`` on this GPU and write ``<out>/bench/<gpu>/<op>.csv``; returns the paths."""
     if runtime.smoke():
@@ -90,31 +115,13 @@ def run(ops=None, *, quick: bool = False, out: Path | None = None, progress: boo
     written = {}
     for bench in _select(ops):
         sizes = bench.quick if quick else bench.sweep
+        path = out / "bench" / core.gpu_slug(info["gpu"]) / f"{bench.name}.csv"
         rows = []
         todo = [(T, impl) for T in sizes for impl in bench.impls]
         for T, impl_name in tqdm(todo, desc=bench.name, disable=not progress):
-            make, needs = bench.impls[impl_name]
-            skip = _missing(needs)
-            set_bytes = bench.bytes_model(T, "fwd+bwd")
-            n_sets = max(1, min(16, math.ceil(core.ROTATE_BYTES / max(set_bytes, 1))))
-            inputs_sets = [bench.make_inputs(T, runtime.device()) for _ in range(n_sets)] if not skip else []
-            for pass_ in bench.passes:
-                case = core.Case(bench.name, impl_name, pass_, T, bytes=bench.bytes_model(T, pass_))
-                if skip:
-                    timing = core.Timing(status="skipped", note=skip)
-                else:
-                    try:
-                        timing = core.measure(_pass_calls(make, inputs_sets, pass_))
-                    except torch.cuda.OutOfMemoryError:
-                        timing = core.Timing(status="oom", note="out of memory")
-                    except Exception as exc:  # a peer failing is a result, not a crash
-                        timing = core.Timing(status="error", note=f"{type(exc).__name__}: {exc}"[:200])
-                    torch.cuda.empty_cache()
-                rows.append(core.make_row(case, timing, ceilings, info))
-            del inputs_sets
-            torch.cuda.empty_cache()
-        path = out / "bench" / core.gpu_slug(info["gpu"]) / f"{bench.name}.csv"
-        written[bench.name] = core.write_csv(rows, path)
+            rows += _measure_impl(bench, impl_name, T, ceilings, info)
+            core.write_csv(rows, path)  # after every case: a run cut short keeps what it measured
+        written[bench.name] = path
     return written
 
 

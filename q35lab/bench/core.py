@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 
 from .. import __version__
+from ..ops._tuned import gpu_slug as _slug
 
 #: One schema for every op's CSV; one row per (op, impl, pass, T, variant).
 SCHEMA = [
@@ -55,8 +56,7 @@ def gpu_name() -> str:
 
 def gpu_slug(name: str | None = None) -> str:
     """'NVIDIA H200' → 'nvidia-h200': the folder under data/bench/."""
-    name = gpu_name() if name is None else name
-    return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split())
+    return _slug(gpu_name() if name is None else name)
 
 
 def _git_commit() -> str:
@@ -187,15 +187,20 @@ def extra_peak_mb(call: Callable[[], object]) -> float:
     return (peak - before) / 1e6
 
 
-def measure(calls: list[Callable[[], object]], *, warmup: int = 3, reps: int = 100, profile_calls: int = 10) -> Timing:
+def measure(calls: list[Callable[[], object]], *, warmup: int = 3, reps: int = 100, profile_calls: int = 10,
+            budget_s: float = 0.3) -> Timing:
     """Time and memory of ``calls`` (equivalent callables over rotated inputs).
 
-    Out-of-memory is a result, not a crash: the row says ``oom``.
+    Slow calls get fewer repetitions (at least 20 timed, 3 profiled) so that one case costs about
+    ``budget_s`` seconds. Out-of-memory is a result, not a crash: the row says ``oom``.
     """
     try:
         for i in range(warmup):
             calls[i % len(calls)]()
         torch.cuda.synchronize()
+        one_ms = _median_event_ms(calls[0], reps=1, warmup=0)
+        reps = max(20, min(reps, int(1e3 * budget_s / max(one_ms, 1e-3))))
+        profile_calls = max(3, min(profile_calls, int(0.3e3 * budget_s / max(one_ms, 1e-3))))
         timing = Timing()
         timing.extra_peak_mb = extra_peak_mb(calls[0])
         timing.wall_ms = wall_ms(calls, reps)

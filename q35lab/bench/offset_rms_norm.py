@@ -18,7 +18,7 @@ import torch
 from .. import shapes
 from ..numerics import agreement, compare
 from ..ops.offset_rms_norm import OffsetRMSNorm, offset_rms_norm, offset_rms_norm_ref
-from .spec import Impl, OpBench
+from .spec import OpBench, module_impl
 
 HIDDEN = shapes.HIDDEN
 
@@ -51,24 +51,6 @@ def _liger_class():
     from liger_kernel.transformers.rms_norm import LigerRMSNormForQwen3Next
 
     return LigerRMSNormForQwen3Next
-
-
-def _module_impl(build, frozen: bool = False, compile: bool = False) -> Impl:
-    """An Impl running ``build(hidden)`` as a module over the inputs."""
-
-    def make(inputs: dict):
-        x = inputs["x"]
-        module = build()(x.shape[-1]).to(device=x.device, dtype=x.dtype)
-        with torch.no_grad():
-            module.weight.copy_(inputs["w"])
-        module.weight.requires_grad_(not frozen)
-        if compile:
-            module = torch.compile(module, dynamic=False)
-        x = x.detach().requires_grad_()
-        params = [] if frozen else [module.weight]
-        return (lambda: module(x)), [x, *params], inputs["dy"]
-
-    return make
 
 
 def _hf_output(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -129,11 +111,11 @@ BENCH = OpBench(
     make_inputs=make_inputs,
     bytes_model=bytes_model,
     impls={
-        "transformers": (_module_impl(_hf_class), ("transformers",)),
-        "torch.compile": (_module_impl(_hf_class, compile=True), ("transformers",)),
-        "liger": (_module_impl(_liger_class), ("liger_kernel",)),
-        "q35lab (frozen w)": (_module_impl(lambda: OffsetRMSNorm, frozen=True), ()),
-        "q35lab": (_module_impl(lambda: OffsetRMSNorm), ()),
+        "transformers": (module_impl(_hf_class), ("transformers",)),
+        "torch.compile": (module_impl(_hf_class, compile=True), ("transformers",)),
+        "liger": (module_impl(_liger_class), ("liger_kernel",)),
+        "q35lab (frozen w)": (module_impl(lambda: OffsetRMSNorm, frozen=True), ()),
+        "q35lab": (module_impl(lambda: OffsetRMSNorm), ()),
     },
     check=check,
     ours="q35lab",

@@ -27,3 +27,27 @@ class OpBench:
     sweep: list[int] = field(default_factory=lambda: list(shapes.SWEEP_T))
     quick: list[int] = field(default_factory=lambda: list(shapes.QUICK_T))
     smoke: list[int] = field(default_factory=lambda: list(shapes.SMOKE_T))
+
+
+def module_impl(build: Callable[[], Callable[[int], torch.nn.Module]], inputs: tuple[str, ...] = ("x",),
+                frozen: bool = False, compile: bool = False) -> Impl:
+    """An Impl that runs a module over ``inputs`` (names in the inputs dict, all differentiated).
+
+    ``build()`` returns the module's class (or any ``width -> module``); it is called lazily, so
+    a peer that is not installed is only imported when measured. The module's weight is copied
+    from ``inputs["w"]`` and frozen when ``frozen``.
+    """
+
+    def make(data: dict):
+        first = data[inputs[0]]
+        module = build()(first.shape[-1]).to(device=first.device, dtype=first.dtype)
+        with torch.no_grad():
+            module.weight.copy_(data["w"])
+        module.weight.requires_grad_(not frozen)
+        if compile:
+            module = torch.compile(module, dynamic=False)
+        args = [data[name].detach().requires_grad_() for name in inputs]
+        params = [] if frozen else [module.weight]
+        return (lambda: module(*args)), [*args, *params], data["dy"]
+
+    return make

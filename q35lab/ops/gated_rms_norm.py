@@ -38,6 +38,7 @@ import triton.language as tl
 from ._checks import check_eps, check_float_tensor, check_same_device, check_weight, rows_view
 from ._launch import persistent_programs
 from ._reduce import sum_partials
+from ._tuned import tuned_fields
 
 __all__ = [
     "ROUNDINGS",
@@ -222,7 +223,7 @@ def _gated_rms_norm_bwd_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# Launch configuration (H200 tuning: scripts/tune_gated_rms_norm.py).
+# Launch configuration (tuned per GPU by scripts/tune_gated_rms_norm.py into ops/tuned.json).
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LaunchConfig:
@@ -246,7 +247,11 @@ def launch_config(n_cols: int) -> LaunchConfig:
 
 @functools.lru_cache(maxsize=64)
 def _default_config(n_cols: int) -> LaunchConfig:
-    """Tiles of ~4k elements (32 rows of 128): 16 bytes per thread per tensor at 4 warps."""
+    """This GPU's tuned configuration if ops/tuned.json has one, else tiles of ~4k elements
+    (32 rows of 128: 32 values per thread per tensor at 4 warps)."""
+    tuned = tuned_fields("gated_rms_norm", n_cols)
+    if tuned is not None:
+        return LaunchConfig(**tuned)
     block_cols = triton.next_power_of_2(n_cols)
     rows = max(1, 4096 // block_cols)
     warps = max(1, min(8, rows * block_cols // 1024))

@@ -1,0 +1,71 @@
+"""Tune the gated RMSNorm kernels on this GPU and record the best in q35lab/ops/tuned.json.
+
+Forward, backward with dW and backward with a frozen weight are timed separately with
+``triton.testing.do_bench`` (median, L2 flushed) at width 128, rows = 32·T, bf16, "hf"
+rounding; the configuration with the least summed time over the sizes is saved for this GPU.
+
+    python scripts/tune_gated_rms_norm.py --out data/bench/<gpu>/gated_rms_norm_tuning.csv
+"""
+
+import argparse
+import ast
+import dataclasses
+import itertools
+
+import pandas as pd
+import torch
+from triton.testing import do_bench
+
+from q35lab.bench import core
+from q35lab.ops import _tuned
+from q35lab.ops import gated_rms_norm as op
+
+WIDTH, HEADS = 128, 32
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--T", type=int, nargs="+", default=[8192, 32768])
+    args = parser.parse_args()
+    copy = core.measure_ceilings().copy_gbps
+    base = op._default_config(WIDTH)
+    candidates = {
+        "fwd": [dict(fwd_block_rows=r, fwd_warps=w) for r, w in itertools.product([16, 32, 64], [4, 8])],
+        "bwd": [dict(bwd_block_rows=r, bwd_warps=w, bwd_programs_per_sm=p, bwd_stages=1)
+                for r, w, p in itertools.product([8, 16, 32], [4, 8], [2, 4])],
+        "bwd_frozen_w": [dict(frozen_block_rows=r, frozen_warps=w) for r, w in itertools.product([16, 32, 64], [4, 8])],
+    }
+    rows = []
+    for T in args.T:
+        n = T * HEADS
+        x, g, dy = (torch.randn(n, WIDTH, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        w = torch.ones(WIDTH, device="cuda", dtype=torch.bfloat16)
+        calls = {
+            "fwd": lambda: op.gated_rms_norm_fwd(x, g, w, 1e-6, "hf"),
+            "bwd": lambda: op.gated_rms_norm_bwd(dy, x, g, w, 1e-6, "hf", True),
+            "bwd_frozen_w": lambda: op.gated_rms_norm_bwd(dy, x, g, w, 1e-6, "hf", False),
+        }
+        traffic = {"fwd": 3, "bwd": 5, "bwd_frozen_w": 5}
+        for pass_, options in candidates.items():
+            for fields in options:
+                op.CONFIG_OVERRIDE = dataclasses.replace(base, **fields)
+                ms = do_bench(calls[pass_], return_mode="median")
+                gbps = traffic[pass_] * n * WIDTH * 2 / ms / 1e6
+                rows.append(dict(T=T, pass_=pass_, ms=ms, gbps=gbps, pct_copy=100 * gbps / copy, copy_gbps=copy,
+                                 config=str(fields), **fields))
+    op.CONFIG_OVERRIDE = None
+    df = pd.DataFrame(rows)
+    df.to_csv(args.out, index=False, float_format="%.5g")
+    best = dataclasses.asdict(base)
+    for pass_ in candidates:
+        total = df[df.pass_ == pass_].groupby("config").ms.sum()
+        best.update(ast.literal_eval(total.idxmin()))
+    _tuned.save("gated_rms_norm", WIDTH, best, torch.cuda.get_device_name())
+    print(f"copy {copy:.0f} GB/s; saved {best}")
+    top = df.loc[df.groupby(["T", "pass_"]).ms.idxmin()]
+    print(top[["T", "pass_", "config", "ms", "pct_copy"]].to_string(index=False))
+
+
+if __name__ == "__main__":
+    main()
