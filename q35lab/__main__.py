@@ -23,6 +23,22 @@ def _numerics_table(rows) -> None:
               f"<= {r['bound']:.2e} {'ok' if r['ok'] else 'FAIL'}{extra}")
 
 
+def _check_and_record(ops, out) -> bool:
+    """The numerics rule; on a GPU the rows are also written to data/bench/<gpu>/<op>_numerics.csv."""
+    from . import bench as harness
+    from . import runtime
+    from .bench import core
+
+    rows = harness.check(ops)
+    _numerics_table(rows)
+    if not runtime.smoke():
+        data = harness.DATA if out is None else Path(out)
+        for op in dict.fromkeys(r["op"] for r in rows):
+            path = data / "bench" / core.gpu_slug() / f"{op}_numerics.csv"
+            core.write_numerics_csv([r for r in rows if r["op"] == op], path)
+    return all(r["ok"] for r in rows)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m q35lab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -48,18 +64,12 @@ def main(argv=None) -> int:
         if args.command == "bench":
             print("No CUDA GPU: running the correctness checks through the Triton interpreter at tiny "
                   "sizes. Speed needs a GPU (see README: results measured on an H200 are in data/).")
-        rows = harness.check(args.ops or None)
-        _numerics_table(rows)
-        return 0 if all(r["ok"] for r in rows) else 1
+        return 0 if _check_and_record(args.ops or None, getattr(args, "out", None)) else 1
     written = harness.run(args.ops or None, quick=args.quick, out=args.out)
     import pandas as pd
 
-    from .bench import core
-
     for op, path in written.items():
-        rows = harness.check([op])
-        core.write_numerics_csv(rows, path.with_name(f"{op}_numerics.csv"))
-        _numerics_table(rows)
+        _check_and_record([op], args.out)
         df = pd.read_csv(path)
         print(df.pivot_table(index=["pass", "T"], columns="impl", values="kernel_ms").round(4).to_string())
     for path in figures.render(args.out, list(written)):

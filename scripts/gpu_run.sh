@@ -4,8 +4,8 @@
 # $OUT/results.tgz, so a call cut short still returns what it finished.
 #
 #   usage (on the GPU machine, from the checkout):
-#     OPS="gated_rms_norm" STEPS=tune,bench,notebooks NOTEBOOKS=02_gated_rmsnorm.ipynb \
-#       STEP_TIMEOUT=150 bash scripts/gpu_run.sh [--quick]
+#     OPS="gated_rms_norm" STEPS=tune,check,bench,notebooks NOTEBOOKS=02_gated_rmsnorm.ipynb \
+#       TIMEOUT_bench=150 STEP_TIMEOUT=60 bash scripts/gpu_run.sh [--quick]
 #
 # flash-linear-attention is installed only for steps that measure it: with it, a Qwen3.5
 # training step raises on Hopper with Triton 3.6 (fla#640), which the model tests would hit.
@@ -25,9 +25,10 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 gpu=$(python3 -c "from q35lab.bench import core; print(core.gpu_slug())")
 mkdir -p data/bench/$gpu
 
-step() {  # step NAME COMMAND...: run with a time limit, log, pack results
+step() {  # step NAME COMMAND...: run with a time limit (TIMEOUT_<name> or STEP_TIMEOUT), log, pack
   local name=$1; shift
-  timeout "${STEP_TIMEOUT:-590}" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v '%|' | tail -n 45
+  local limit="TIMEOUT_${name%%_*}"
+  timeout "${!limit:-${STEP_TIMEOUT:-590}}" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v '%|' | tail -n 45
   tar czf "$OUT/results.tgz" data notebooks/*.ipynb q35lab/ops/tuned.json 2>/dev/null
 }
 
@@ -40,7 +41,9 @@ done
 if [[ $STEPS == *overhead* ]]; then
   step overhead python3 scripts/host_overhead.py data/bench/$gpu/offset_rms_norm_host_overhead.csv
 fi
+[[ $STEPS == *check* ]] && step check env PYTHONPATH=$WITH_FLA python3 -m q35lab check $OPS
 [[ $STEPS == *bench* ]] && step bench env PYTHONPATH=$WITH_FLA python3 -m q35lab bench $OPS "$@"
+[[ $STEPS == *bench* ]] && step plots python3 -m q35lab plots
 if [[ $STEPS == *notebooks* ]]; then
   (cd notebooks && step notebooks env PYTHONPATH=$WITH_FLA python3 -m pytest -q -p no:cacheprovider -o addopts="" \
       --nbmake --nbmake-timeout=600 --overwrite $NOTEBOOKS)
