@@ -29,8 +29,11 @@ def _check_and_record(ops, out) -> bool:
     from . import runtime
     from .bench import core
 
-    rows = harness.check(ops)
-    _numerics_table(rows)
+    rows = []
+    for op in ops or harness.discover():  # printed as each op finishes: a long check shows progress
+        op_rows = harness.check([op])
+        _numerics_table(op_rows)
+        rows += op_rows
     if not runtime.smoke():
         data = harness.DATA if out is None else Path(out)
         for op in dict.fromkeys(r["op"] for r in rows):

@@ -12,6 +12,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+ROOT=$PWD
 STEPS=${STEPS:-tests,tune,bench,notebooks}
 OPS=${OPS:-offset_rms_norm}
 NOTEBOOKS=${NOTEBOOKS:-*.ipynb}
@@ -29,7 +30,7 @@ step() {  # step NAME COMMAND...: run with a time limit (TIMEOUT_<name> or STEP_
   local name=$1; shift
   local limit="TIMEOUT_${name%%_*}"
   timeout "${!limit:-${STEP_TIMEOUT:-590}}" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v '%|' | tail -n 45
-  tar czf "$OUT/results.tgz" data notebooks/*.ipynb q35lab/ops/tuned.json 2>/dev/null
+  (cd "$ROOT" && tar czf "$OUT/results.tgz" data notebooks/*.ipynb $(ls q35lab/ops/tuned.json 2>/dev/null))
 }
 
 [[ $STEPS == *tests* ]] && step tests python3 -m pytest -q -x -p no:cacheprovider -o addopts="" tests

@@ -32,8 +32,8 @@ def main():
     base = op._default_config(WIDTH)
     candidates = {
         "fwd": [dict(fwd_block_rows=r, fwd_warps=w) for r, w in itertools.product([16, 32, 64], [4, 8])],
-        "bwd": [dict(bwd_block_rows=r, bwd_warps=w, bwd_programs_per_sm=p, bwd_stages=1)
-                for r, w, p in itertools.product([8, 16, 32], [4, 8], [2, 4])],
+        "bwd": [dict(bwd_block_rows=r, bwd_warps=w, bwd_programs_per_sm=p, bwd_stages=st)
+                for r, w, p, st in itertools.product([16, 32], [4, 8], [4, 8, 16, 32], [1, 2])],
         "bwd_frozen_w": [dict(frozen_block_rows=r, frozen_warps=w) for r, w in itertools.product([16, 32, 64], [4, 8])],
     }
     rows = []

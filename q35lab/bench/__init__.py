@@ -129,7 +129,7 @@ def check(ops=None, *, sizes: list[int] | None = None, dtypes=(torch.bfloat16, t
     """The numerics rule at each size and dtype; one row per (op, T, dtype, tensor)."""
     rows = []
     for bench in _select(ops):
-        for T in sizes or (bench.smoke if runtime.smoke() else bench.quick):
+        for T in sizes or (bench.smoke if runtime.smoke() else (bench.check_sizes or bench.quick)):
             for dtype in dtypes:
                 for row in bench.check(T, runtime.device(), dtype):
                     rows.append({"op": bench.name, "T": T, "dtype": str(dtype).removeprefix("torch."), **row})

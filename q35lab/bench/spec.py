@@ -27,6 +27,7 @@ class OpBench:
     sweep: list[int] = field(default_factory=lambda: list(shapes.SWEEP_T))
     quick: list[int] = field(default_factory=lambda: list(shapes.QUICK_T))
     smoke: list[int] = field(default_factory=lambda: list(shapes.SMOKE_T))
+    check_sizes: list[int] | None = None  # numerics on a GPU (default: the quick sizes)
 
 
 def module_impl(build: Callable[[], Callable[[int], torch.nn.Module]], inputs: tuple[str, ...] = ("x",),
