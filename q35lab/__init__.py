@@ -7,6 +7,7 @@ defined, hence ``runtime`` is imported first.
 
 from . import runtime  # noqa: F401  (first: chooses compiled Triton or the interpreter)
 from .ops.gated_rms_norm import GatedRMSNorm, gated_rms_norm
+from .ops.lora import lora_linear
 from .ops.offset_rms_norm import OffsetRMSNorm, offset_rms_norm
 from .patch import PatchReport, apply_to_qwen3_5, revert
 
@@ -17,6 +18,7 @@ __all__ = [
     "offset_rms_norm",
     "GatedRMSNorm",
     "gated_rms_norm",
+    "lora_linear",
     "apply_to_qwen3_5",
     "revert",
     "PatchReport",

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .ops.gated_rms_norm import GatedRMSNorm
+from .ops.lora import lora_linear
 from .ops.offset_rms_norm import OffsetRMSNorm
 
 __all__ = ["PatchReport", "apply_to_qwen3_5", "revert"]
@@ -26,12 +27,12 @@ HF_GATED_NORM_CLASSES = ("Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated")
 
 #: Optimizations whose issues have not landed yet: the flag is accepted, nothing is done.
 _NOT_YET = {
-    "lora": "not implemented yet (LoRA without the PEFT cast tax, issue 4)",
     "in_proj": "not implemented yet (in_proj fusion, issue 5)",
     "flce": "not implemented yet (fused linear cross entropy, issue 6)",
 }
 
 _ORIGINAL = "_q35lab_original"  # attribute of a patched module: the module it replaced
+_LORA_PATCHED = "_q35lab_lora"  # attribute of a PEFT LoRA layer whose forward q35lab routes
 
 
 @dataclass
@@ -103,6 +104,79 @@ def _gated_norm_from_fla(original: torch.nn.Module) -> GatedRMSNorm | str:
     return _share_weight(GatedRMSNorm(width, eps=original.eps, rounding="fused", device="meta"), original)
 
 
+# ----------------------------------------------------------------------------------------------
+# PEFT LoRA Linear layers: the layer object stays (PEFT's merge, save, adapter switching keep
+# working); its forward is routed through lora_linear whenever the call is one lora_linear
+# computes exactly, and falls back to PEFT's own forward otherwise.
+# ----------------------------------------------------------------------------------------------
+def _is_peft_lora_linear(module: torch.nn.Module) -> bool:
+    cls = type(module)
+    return cls.__name__ == "Linear" and cls.__module__.startswith("peft.tuners.lora")
+
+
+def _lora_static_problem(layer: torch.nn.Module) -> str | None:
+    """Why lora_linear can never compute this layer exactly, or None if it can."""
+    base = layer.base_layer
+    if type(base) is not torch.nn.Linear:
+        return f"base layer {type(base).__name__} (quantized or custom)"
+    if getattr(layer, "fan_in_fan_out", False):
+        return "fan_in_fan_out weights"
+    if getattr(layer, "lora_variant", None):
+        return "a LoRA variant (DoRA or similar)"
+    for name in layer.lora_A:
+        a, b = layer.lora_A[name], layer.lora_B[name]
+        if type(a) is not torch.nn.Linear or type(b) is not torch.nn.Linear or a.bias is not None or b.bias is not None:
+            return "adapter matrices with a bias or of another type"
+        dropout = layer.lora_dropout[name]
+        if not isinstance(dropout, (torch.nn.Identity, torch.nn.Dropout)):
+            return f"dropout module {type(dropout).__name__}"
+    return None
+
+
+def _lora_call(layer: torch.nn.Module, x: torch.Tensor, args: tuple, kwargs: dict):
+    """lora_linear for this call, or None when PEFT's own forward must run."""
+    if args or kwargs or layer.disable_adapters or layer.merged:
+        return None
+    active = [name for name in layer.active_adapters if name in layer.lora_A]
+    if len(active) != 1 or active[0] in getattr(layer, "lora_variant", {}):
+        return None
+    name = active[0]
+    base, dropout = layer.base_layer, layer.lora_dropout[name]
+    p = dropout.p if isinstance(dropout, torch.nn.Dropout) and dropout.training else 0.0
+    return lora_linear(x, base.weight, layer.lora_A[name].weight, layer.lora_B[name].weight,
+                       layer.scaling[name], base.bias, p)
+
+
+def _routed_forward(layer: torch.nn.Module):
+    peft_forward = type(layer).forward
+
+    def forward(x, *args, **kwargs):
+        out = _lora_call(layer, x, args, kwargs)
+        return peft_forward(layer, x, *args, **kwargs) if out is None else out
+
+    return forward
+
+
+def _route_lora(layer: torch.nn.Module, report: "PatchReport") -> None:
+    if hasattr(layer, _LORA_PATCHED):
+        report.already_patched += 1
+        return
+    problem = _lora_static_problem(layer)
+    if problem is not None:
+        report.left_alone[f"PEFT lora.Linear: {problem}"] += 1
+        return
+    layer.forward = _routed_forward(layer)  # instance attribute: nn.Module.__call__ uses it
+    object.__setattr__(layer, _LORA_PATCHED, True)
+    report.replaced["PEFT lora.Linear (forward)"] += 1
+
+
+def _unroute_lora(layer: torch.nn.Module, report: "PatchReport") -> None:
+    if hasattr(layer, _LORA_PATCHED):
+        del layer.forward
+        object.__delattr__(layer, _LORA_PATCHED)
+        report.reverted["PEFT lora.Linear (forward)"] += 1
+
+
 def _replacement_rule(module: torch.nn.Module):
     """(flag, builder) for a module q35lab knows how to replace, else None.
 
@@ -138,9 +212,9 @@ def apply_to_qwen3_5(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    enabled = {"rms_norm": rms_norm, "gated_norm": gated_norm}
+    enabled = {"rms_norm": rms_norm, "gated_norm": gated_norm, "lora": lora}
     report = PatchReport()
-    for flag, wanted in (("lora", lora), ("in_proj", in_proj), ("flce", flce)):
+    for flag, wanted in (("in_proj", in_proj), ("flce", flce)):
         if wanted:
             report.not_applied[flag] = _NOT_YET[flag]
     for flag, wanted in enabled.items():
@@ -149,6 +223,9 @@ def apply_to_qwen3_5(
     for parent, name, child in _named_children_everywhere(model):
         if hasattr(child, _ORIGINAL):
             report.already_patched += 1
+            continue
+        if lora and _is_peft_lora_linear(child):
+            _route_lora(child, report)
             continue
         rule = _replacement_rule(child)
         if rule is None or not enabled[rule[0]]:
@@ -168,6 +245,7 @@ def revert(model: torch.nn.Module) -> PatchReport:
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     report = PatchReport()
     for parent, name, child in _named_children_everywhere(model):
+        _unroute_lora(child, report)
         original = getattr(child, _ORIGINAL, None)
         if original is not None:
             original.weight = child.weight  # keep any Parameter swap made while patched

@@ -1,0 +1,142 @@
+"""LoRA linear without PEFT's cast tax: one autograd node, activations kept in their dtype.
+
+The computation (PEFT's ``lora.Linear`` with one active adapter)::
+
+    y = x·Wᵀ + b + s · (d(x)·Aᵀ)·Bᵀ          d = dropout (mask m, keep probability q = 1 − p)
+
+PEFT runs it as separate modules and first casts ``x`` to the adapters' dtype: with a bf16 model
+and PEFT's default fp32 adapters that is a bf16 → fp32 copy of the whole activation in the
+forward, kept alive for the backward, made again by a gradient-checkpointing recompute, and an
+fp32 → bf16 cast of every adapter output. Here the activations stay in the compute dtype (bf16
+under autocast); only the rank-r adapter matrices are cast, which costs nothing (r·(K + N)
+values). The gradients of fp32 adapters are returned in fp32.
+
+Backward, with ``dy`` given, ``xa = d(x)·Aᵀ`` (saved, [T, r]) and ``dxa = s · dy·B``::
+
+    dx = dy·W + m/q ⊙ (dxa·A)
+    dA = dxaᵀ·d(x)
+    dB = s · dyᵀ·xa
+    db = Σ_rows dy
+
+Saved for backward: ``x`` (the caller keeps it anyway), ``xa`` (r values a row) and the dropout
+seed — the mask is regenerated, never stored.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import check_float_tensor, check_same_device
+
+__all__ = ["lora_linear", "lora_linear_ref", "dropout_mask", "LoRALinearFunction"]
+
+
+def dropout_mask(like: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    """The keep-mask (bool, shape of ``like``) that ``lora_linear`` uses for dropout ``p``.
+
+    Drawn from a generator seeded with ``seed``, so the backward regenerates the exact mask of the
+    forward instead of storing it.
+    """
+    generator = torch.Generator(device=like.device).manual_seed(seed)
+    return torch.empty(like.shape, dtype=torch.float32, device=like.device).bernoulli_(1.0 - p, generator=generator).bool()
+
+
+def _dropped(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    if p == 0.0:
+        return x
+    return x * dropout_mask(x, p, seed) / (1.0 - p)
+
+
+def lora_linear_ref(x, weight, lora_A, lora_B, scaling, bias=None, dropout=0.0, seed=0):
+    """The same math in plain PyTorch, every operand in ``x.dtype`` (the test reference)."""
+    dtype = x.dtype
+    y = torch.nn.functional.linear(x, weight.to(dtype), None if bias is None else bias.to(dtype))
+    xa = torch.nn.functional.linear(_dropped(x, dropout, seed), lora_A.to(dtype))
+    return y + torch.nn.functional.linear(xa, lora_B.to(dtype)) * scaling
+
+
+class LoRALinearFunction(torch.autograd.Function):
+    """One node for base projection + adapter; see the module docstring for the math."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_A, lora_B, scaling: float, dropout: float, seed: int):
+        dtype = x.dtype
+        x2d = x.reshape(-1, x.shape[-1])
+        a, b_scaled = lora_A.to(dtype), (lora_B * scaling).to(dtype)  # rank-r: cheap casts
+        xa = _dropped(x2d, dropout, seed) @ a.t()  # [T, r]
+        # the adapter's product becomes the C operand of the base GEMM: y = x·Wᵀ + C
+        lora_out = xa @ b_scaled.t() if bias is None else torch.addmm(bias.to(dtype), xa, b_scaled.t())
+        y = torch.addmm(lora_out, x2d, weight.to(dtype).t())
+        ctx.save_for_backward(x2d, weight, lora_A, lora_B, xa)
+        ctx.scaling, ctx.dropout, ctx.seed, ctx.has_bias = scaling, dropout, seed, bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, weight, lora_A, lora_B, xa = ctx.saved_tensors
+        needs_x, needs_w, needs_b, needs_a, needs_bm = ctx.needs_input_grad[:5]
+        dtype = x2d.dtype
+        dy2d = dy.reshape(-1, dy.shape[-1]).to(dtype)
+        a, b_scaled = lora_A.to(dtype), (lora_B * ctx.scaling).to(dtype)
+        dxa = dy2d @ b_scaled  # [T, r]: s · dy·B
+        dx = dA = dB = dW = db = None
+        if needs_x:
+            lora_dx = dxa @ a  # [T, K]
+            if ctx.dropout:
+                lora_dx = lora_dx * dropout_mask(lora_dx, ctx.dropout, ctx.seed) / (1.0 - ctx.dropout)
+            dx = torch.addmm(lora_dx, dy2d, weight.to(dtype)).view(*dy.shape[:-1], x2d.shape[-1])
+        if needs_a:
+            dA = (dxa.t() @ _dropped(x2d, ctx.dropout, ctx.seed)).to(lora_A.dtype)
+        if needs_bm:
+            dB = (dy2d.t() @ xa).to(lora_B.dtype) * ctx.scaling
+        if needs_w:  # a trainable base weight (not LoRA's usual case) is supported, not optimised
+            dW = (dy2d.t() @ x2d).to(weight.dtype)
+        if needs_b:
+            db = dy2d.sum(0).to(ctx.bias_dtype)
+        return dx, dW, db, dA, dB, None, None, None
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """What F.linear would compute in: the autocast dtype when autocast is on, else x's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def lora_linear(x, weight, lora_A, lora_B, scaling, bias=None, dropout=0.0):
+    """``x·Wᵀ + b + scaling · dropout(x)·Aᵀ·Bᵀ`` as one autograd node, without casting ``x``.
+
+    Args:
+        x: ``[..., in_features]``, bf16/fp16/fp32 (cast to the autocast dtype when autocast is on,
+            exactly as ``F.linear`` would).
+        weight: ``[out_features, in_features]``, the base projection (usually frozen).
+        lora_A: ``[r, in_features]``; lora_B: ``[out_features, r]``; any float dtype (fp32
+            master adapters get fp32 gradients).
+        scaling: the adapter scale (``lora_alpha / r``).
+        bias: optional ``[out_features]``.
+        dropout: probability applied to the adapter's input only (as PEFT); 0 outside training.
+    """
+    for name, t in (("x", x), ("weight", weight), ("lora_A", lora_A), ("lora_B", lora_B)):
+        check_float_tensor(name, t)
+    if bias is not None:
+        check_float_tensor("bias", bias)
+    if weight.dim() != 2 or x.dim() == 0 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"weight: expected [out_features, {x.shape[-1] if x.dim() else '?'}] "
+                         f"(in_features = last dimension of x), got {tuple(weight.shape)}")
+    out_features, in_features = weight.shape
+    if lora_A.dim() != 2 or lora_A.shape[1] != in_features:
+        raise ValueError(f"lora_A: expected [r, {in_features}], got {tuple(lora_A.shape)}")
+    rank = lora_A.shape[0]
+    if lora_B.dim() != 2 or tuple(lora_B.shape) != (out_features, rank):
+        raise ValueError(f"lora_B: expected [{out_features}, {rank}] (out_features, rank of lora_A), "
+                         f"got {tuple(lora_B.shape)}")
+    if bias is not None and tuple(bias.shape) != (out_features,):
+        raise ValueError(f"bias: expected [{out_features}], got {tuple(bias.shape)}")
+    if not 0.0 <= float(dropout) < 1.0:
+        raise ValueError(f"dropout: expected a probability in [0, 1), got {dropout!r}")
+    check_same_device(x=x, weight=weight, lora_A=lora_A, lora_B=lora_B, **({} if bias is None else {"bias": bias}))
+    dtype = _compute_dtype(x)
+    seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout else 0  # the global RNG decides
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return LoRALinearFunction.apply(x.to(dtype), weight, bias, lora_A, lora_B, float(scaling), float(dropout), seed)

@@ -1,0 +1,192 @@
+"""lora_linear against PEFT's LoRA layer, and the routing of PEFT layers through it."""
+
+import pytest
+import torch
+
+import q35lab
+from q35lab.numerics import assert_close_by_rule
+from q35lab.ops.lora import LoRALinearFunction, dropout_mask, lora_linear, lora_linear_ref
+from q35lab.runtime import device
+
+peft = pytest.importorskip("peft")
+
+
+def _peft_layer(in_f, out_f, r, alpha, bias=False, dropout=0.0, dtype=torch.float32):
+    base = torch.nn.Sequential(torch.nn.Linear(in_f, out_f, bias=bias))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=["0"]))
+    model = model.to(device=device(), dtype=dtype)
+    layer = model.base_model.model[0]
+    with torch.no_grad():  # PEFT starts B at zero: a zero adapter would hide errors
+        layer.lora_B["default"].weight.normal_(0, 0.1)
+    return model, layer
+
+
+def _grads(out, dy, tensors):
+    return torch.autograd.grad(out, tensors, dy, allow_unused=True)
+
+
+@pytest.mark.parametrize("r", [1, 8, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_peft_in_fp32(r, bias):
+    model, layer = _peft_layer(96, 80, r, alpha=2 * r, bias=bias)
+    x = torch.randn(3, 7, 96, device=device(), requires_grad=True)
+    A, B = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    base = layer.base_layer
+    if bias:
+        base.bias.requires_grad_(True)  # PEFT freezes it; check its gradient too
+    y_peft = layer(x)
+    y = lora_linear(x, base.weight, A, B, layer.scaling["default"], base.bias)
+    torch.testing.assert_close(y, y_peft, rtol=1e-5, atol=1e-5)
+    dy = torch.randn_like(y)
+    wanted = [x, A, B] + ([base.bias] if bias else [])
+    for ours, theirs in zip(_grads(y, dy, wanted), _grads(y_peft, dy, wanted)):
+        assert ours is not None and theirs is not None
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+    assert not base.weight.requires_grad  # frozen base: no gradient asked, none computed
+
+
+def test_frozen_and_trainable_parts():
+    model, layer = _peft_layer(32, 48, 4, alpha=8)
+    x = torch.randn(5, 32, device=device(), requires_grad=True)
+    A, B, W = layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.base_layer.weight
+    A.requires_grad_(False)
+    lora_linear(x, W, A, B, 2.0).sum().backward()
+    assert A.grad is None and W.grad is None and B.grad is not None and x.grad is not None
+    W.requires_grad_(True)  # a trainable base weight is supported too
+    y, y_ref = lora_linear(x, W, A, B, 2.0), lora_linear_ref(x, W, A, B, 2.0)
+    dy = torch.randn_like(y)
+    for ours, theirs in zip(_grads(y, dy, [W, x]), _grads(y_ref, dy, [W, x])):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_dropout_matches_the_reference_with_the_same_mask():
+    x = torch.randn(6, 40, device=device(), requires_grad=True)
+    W, A, B = torch.randn(24, 40, device=device()), torch.randn(8, 40, device=device(), requires_grad=True), \
+        torch.randn(24, 8, device=device(), requires_grad=True)
+    torch.manual_seed(1234)
+    y = lora_linear(x, W, A, B, 0.5, dropout=0.3)
+    torch.manual_seed(1234)
+    seed = int(torch.randint(0, 2**62, (1,)).item())  # the draw lora_linear made
+    y_ref = lora_linear_ref(x, W, A, B, 0.5, dropout=0.3, seed=seed)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    dy = torch.randn_like(y)
+    for ours, theirs in zip(_grads(y, dy, [x, A, B]), _grads(y_ref, dy, [x, A, B])):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+    mask = dropout_mask(x, 0.3, seed)
+    assert 0.5 < mask.float().mean().item() < 0.9  # about 70% kept
+    torch.manual_seed(1234)
+    assert not torch.equal(lora_linear(x, W, A, B, 0.5, dropout=0.3), lora_linear(x, W, A, B, 0.5, dropout=0.3))
+
+
+def test_bf16_activations_with_fp32_adapters():
+    """PEFT's default: fp32 adapters. Ours keeps x in bf16 and returns fp32 adapter gradients."""
+    x = torch.randn(64, 128, device=device()).bfloat16().requires_grad_()
+    W = (0.05 * torch.randn(96, 128, device=device())).bfloat16()
+    A = (0.05 * torch.randn(16, 128, device=device())).requires_grad_()
+    B = (0.05 * torch.randn(96, 16, device=device())).requires_grad_()
+    y = lora_linear(x, W, A, B, 2.0)
+    assert y.dtype == torch.bfloat16
+    dy = torch.randn_like(y)
+    dx, dA, dB = _grads(y, dy, [x, A, B])
+    assert dx.dtype == torch.bfloat16 and dA.dtype == dB.dtype == torch.float32
+    ref = lora_linear_ref(x, W, A, B, 2.0)  # same math, every operand in bf16
+    x64, A64, B64 = (t.detach().double().requires_grad_() for t in (x, A, B))
+    ref64 = lora_linear_ref(x64, W.double(), A64, B64, 2.0)
+    assert_close_by_rule("y", y, ref, ref64)
+    for name, ours, theirs, exact in zip(("dx", "dA", "dB"), (dx, dA, dB), _grads(ref, dy, [x, A, B]),
+                                         _grads(ref64, dy.double(), [x64, A64, B64])):
+        assert_close_by_rule(name, ours.to(theirs.dtype), theirs, exact)
+
+
+def test_autocast_computes_like_f_linear():
+    x = torch.randn(8, 32, device=device())
+    W, A, B = torch.randn(16, 32, device=device()), torch.randn(4, 32, device=device()), torch.randn(16, 4, device=device())
+    with torch.autocast(device_type=device().type, dtype=torch.bfloat16):
+        y = lora_linear(x, W, A, B, 1.0)
+        base = torch.nn.functional.linear(x, W)
+    assert y.dtype == base.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        (dict(weight=torch.randn(16, 31)), ValueError, "weight: expected"),
+        (dict(lora_A=torch.randn(4, 30)), ValueError, "lora_A: expected"),
+        (dict(lora_B=torch.randn(16, 5)), ValueError, r"lora_B: expected \[16, 4\]"),
+        (dict(bias=torch.randn(15)), ValueError, "bias: expected"),
+        (dict(dropout=1.0), ValueError, "dropout: expected a probability"),
+        (dict(x=torch.ones(8, 32, dtype=torch.int64)), TypeError, "x: expected dtype"),
+    ],
+)
+def test_bad_input_raises_naming_the_argument(kwargs, error, message):
+    args = dict(x=torch.randn(8, 32), weight=torch.randn(16, 32), lora_A=torch.randn(4, 32),
+                lora_B=torch.randn(16, 4), scaling=1.0)
+    args.update(kwargs)
+    with pytest.raises(error, match=message):
+        lora_linear(**args)
+
+
+def test_peft_layers_are_routed_and_fall_back_when_they_must(monkeypatch):
+    model, layer = _peft_layer(32, 24, 4, alpha=8)
+    report = q35lab.apply_to_qwen3_5(model)
+    assert report.replaced == {"PEFT lora.Linear (forward)": 1}
+    calls = []
+    original = LoRALinearFunction.forward
+    monkeypatch.setattr(LoRALinearFunction, "forward",
+                        staticmethod(lambda ctx, *a: calls.append(1) or original(ctx, *a)))
+    x = torch.randn(3, 32, device=device())
+    y_routed = model(x)
+    assert len(calls) == 1
+    with model.disable_adapter():  # PEFT's own path, not ours
+        model(x)
+    assert len(calls) == 1
+    layer.merge()
+    y_merged = model(x)
+    assert len(calls) == 1
+    torch.testing.assert_close(y_merged, y_routed, rtol=1e-4, atol=1e-5)
+    layer.unmerge()
+    assert q35lab.revert(model).reverted == {"PEFT lora.Linear (forward)": 1}
+    model(x)
+    assert len(calls) == 1
+
+
+def test_layers_it_cannot_compute_exactly_are_left_to_peft():
+    base = torch.nn.Sequential(torch.nn.Linear(32, 24))
+    dora = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["0"], use_dora=True))
+    report = q35lab.apply_to_qwen3_5(dora)
+    assert report.replaced == {} and "DoRA" in str(report)
+
+
+def test_tiny_qwen3_5_trains_the_same_patched_and_unpatched():
+    from tiny_models import causal_lm
+
+    def train(patched: bool) -> tuple[list[float], dict]:
+        torch.manual_seed(0)
+        model = causal_lm()
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "gate_proj", "up_proj", "down_proj"]
+        model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets))
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, 0, 0.02)
+        if patched:
+            report = q35lab.apply_to_qwen3_5(model)
+            # attention q, k, v, o; GatedDeltaNet out_proj; gate, up, down in each of the 2 layers
+            assert report.replaced["PEFT lora.Linear (forward)"] == 4 + 1 + 3 * 2
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+        ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(1)).to(device())
+        losses = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return losses, grads
+
+    losses_peft, grads_peft = train(False)
+    losses_ours, grads_ours = train(True)
+    assert losses_ours == pytest.approx(losses_peft, rel=1e-5)
+    assert grads_ours.keys() == grads_peft.keys() and all("lora_" in n for n in grads_ours)
+    for name in grads_peft:
+        torch.testing.assert_close(grads_ours[name], grads_peft[name], rtol=1e-3, atol=1e-5, msg=name)
