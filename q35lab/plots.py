@@ -75,6 +75,24 @@ def plot_bandwidth(ax, df, pass_: str, ours: str, copy_gbps: float) -> None:
     ax.set_title(pass_)
 
 
+def plot_time(ax, df, pass_: str, ours: str) -> None:
+    """Time per call against T for GEMM-bound ops (kernel time solid, wall time dotted)."""
+    sub = df[df["pass"] == pass_]
+    impls = _ordered_impls(sub, ours)
+    for impl in impls:
+        rows = sub[(sub["impl"] == impl) & (sub["status"] == "ok")].sort_values("T")
+        if rows.empty:
+            continue
+        color = color_of(impl, impls)
+        ax.plot(rows["T"], rows["kernel_ms"], "-o", color=color, lw=2.4 if impl == ours else 1.4, ms=4, label=impl,
+                zorder=3 if impl == ours else 2)
+        ax.plot(rows["T"], rows["wall_ms"], ":", color=color, lw=1.0, zorder=1)
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per call (solid: kernel time, dotted: wall)")
+    _log2_tokens_axis(ax, sub["T"])
+    ax.set_title(pass_)
+
+
 def plot_memory(ax, df, pass_: str, ours: str) -> None:
     """Extra peak memory (MB) during the call; out-of-memory points marked at the top, not dropped."""
     sub = df[df["pass"] == pass_]
@@ -97,13 +115,16 @@ def plot_memory(ax, df, pass_: str, ours: str) -> None:
     ax.set_title(pass_)
 
 
-def op_figure(df, title: str, ours: str):
-    """Bandwidth (top row) and memory (bottom row) for each pass, the GPU in the title."""
+def op_figure(df, title: str, ours: str, metric: str = "bandwidth"):
+    """Bandwidth or time (top row) and memory (bottom row) for each pass, the GPU in the title."""
     passes = list(dict.fromkeys(df["pass"]))
     fig, axes = plt.subplots(2, len(passes), figsize=(5.2 * len(passes), 8.5), squeeze=False)
     copy = float(df["copy_gbps"].dropna().iloc[0])
     for j, pass_ in enumerate(passes):
-        plot_bandwidth(axes[0][j], df, pass_, ours, copy)
+        if metric == "time":
+            plot_time(axes[0][j], df, pass_, ours)
+        else:
+            plot_bandwidth(axes[0][j], df, pass_, ours, copy)
         plot_memory(axes[1][j], df, pass_, ours)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="upper center", ncol=len(labels), bbox_to_anchor=(0.5, 0.955), frameon=False)
@@ -113,8 +134,14 @@ def op_figure(df, title: str, ours: str):
     return fig
 
 
+def figure_name(op: str, variant: str, gpu_slug: str) -> str:
+    """data/figures/ file name: ``<op>_<gpu>.png``, or ``<op>-<variant>_<gpu>.png``."""
+    tag = "".join(c if c.isalnum() else "-" for c in variant)
+    return f"{op}-{tag}_{gpu_slug}.png" if variant else f"{op}_{gpu_slug}.png"
+
+
 def render(data: Path | None = None, ops=None) -> list[Path]:
-    """Redraw data/figures/<op>_<gpu>.png from every committed CSV; returns the files written."""
+    """Redraw data/figures/ from every committed CSV, one figure per variant; returns the files."""
     from .bench import DATA, core, discover
 
     data = DATA if data is None else Path(data)
@@ -125,10 +152,13 @@ def render(data: Path | None = None, ops=None) -> list[Path]:
         if op not in benches or (ops and op not in ops):
             continue
         df = core.read_csv(csv_path)
-        fig = op_figure(df, benches[op].title, benches[op].ours)
-        out = data / "figures" / f"{op}_{csv_path.parent.name}.png"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, dpi=110)
-        plt.close(fig)
-        written.append(out)
+        spec = benches[op]
+        for variant in dict.fromkeys(df["variant"]):
+            title = f"{spec.title}, {variant}" if variant else spec.title
+            fig = op_figure(df[df["variant"] == variant], title, spec.ours, spec.metric)
+            out = data / "figures" / figure_name(op, variant, csv_path.parent.name)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            fig.savefig(out, dpi=110)
+            plt.close(fig)
+            written.append(out)
     return written

@@ -102,3 +102,25 @@ def test_cli_bench_without_gpu_runs_the_smoke_checks():
     assert out.returncode == 0, out.stderr
     assert "Speed needs a GPU" in out.stdout
     assert out.stdout.count(" ok") == 12 and "FAIL" not in out.stdout  # 2 sizes × 2 dtypes × 3 tensors
+
+
+def test_every_lora_implementation_runs_every_variant_on_a_cpu():
+    """The LoRA sweep's setups (PEFT peers, ours, autocast and checkpoint variants) at a tiny T."""
+    pytest.importorskip("peft")
+    spec = bench.discover()["lora"]
+    data = spec.make_inputs(4, torch.device("cpu"))
+    for impl, (make, needs) in spec.impls.items():
+        if bench._missing(needs):
+            continue
+        for variant, options in spec.variants.items():
+            for pass_ in spec.passes:
+                if impl == "peft (no input cast)" and "autocast" not in variant:
+                    with pytest.raises(RuntimeError, match="dtype"):  # fp32 adapters meet bf16 x
+                        bench._pass_calls(make, [data], pass_, options)[0]()
+                else:
+                    bench._pass_calls(make, [data], pass_, options)[0]()
+
+
+def test_figure_names():
+    assert plots.figure_name("lora", "", "nvidia-h200") == "lora_nvidia-h200.png"
+    assert plots.figure_name("lora", "autocast+checkpoint", "nvidia-h200") == "lora-autocast-checkpoint_nvidia-h200.png"

@@ -52,11 +52,11 @@ def _missing(modules: tuple[str, ...]) -> str:
     return f"not installed: {', '.join(absent)}" if absent else ""
 
 
-def _pass_calls(make, inputs_sets: list[dict], pass_: str):
+def _pass_calls(make, inputs_sets: list[dict], pass_: str, options: dict | None = None):
     """One zero-argument callable per input set, running ``pass_`` of an implementation."""
     calls = []
     for inputs in inputs_sets:
-        forward, grad_tensors, dy = make(inputs)
+        forward, grad_tensors, dy = make(inputs, **(options or {}))
         if pass_ == "fwd":
             calls.append(forward)
         elif pass_ == "bwd":
@@ -83,13 +83,13 @@ def _measure_impl(bench: OpBench, impl_name: str, T: int, ceilings: core.Ceiling
     n_sets = max(1, min(16, math.ceil(core.ROTATE_BYTES / max(bench.bytes_model(T, "fwd+bwd"), 1))))
     inputs_sets = [bench.make_inputs(T, runtime.device()) for _ in range(n_sets)] if not skip else []
     rows = []
-    for pass_ in bench.passes:
-        case = core.Case(bench.name, impl_name, pass_, T, bytes=bench.bytes_model(T, pass_))
+    for (variant, options), pass_ in ((v, p) for v in bench.variants.items() for p in bench.passes):
+        case = core.Case(bench.name, impl_name, pass_, T, variant=variant, bytes=bench.bytes_model(T, pass_))
         if skip:
             timing = core.Timing(status="skipped", note=skip)
         else:
             try:
-                timing = core.measure(_pass_calls(make, inputs_sets, pass_))
+                timing = core.measure(_pass_calls(make, inputs_sets, pass_, options))
             except torch.cuda.OutOfMemoryError:
                 timing = core.Timing(status="oom", note="out of memory")
             except Exception as exc:  # a peer failing is a result, not a crash

@@ -9,8 +9,8 @@ import torch
 
 from .. import shapes
 
-#: An implementation: ``make(inputs) -> (forward, grad_tensors, dy)``. ``forward()`` returns
-#: the output; the backward is ``torch.autograd.grad(output, grad_tensors, dy)``.
+#: An implementation: ``make(inputs, **variant_options) -> (forward, grad_tensors, dy)``.
+#: ``forward()`` returns the output; the backward is ``torch.autograd.grad(output, grad_tensors, dy)``.
 Impl = Callable[[dict], tuple[Callable[[], torch.Tensor], list, torch.Tensor]]
 
 
@@ -28,6 +28,11 @@ class OpBench:
     quick: list[int] = field(default_factory=lambda: list(shapes.QUICK_T))
     smoke: list[int] = field(default_factory=lambda: list(shapes.SMOKE_T))
     check_sizes: list[int] | None = None  # numerics on a GPU (default: the quick sizes)
+    #: Conditions every implementation is measured under (the CSV's ``variant`` column), as
+    #: keyword options passed to each Impl's ``make``; one figure is drawn per variant.
+    variants: dict[str, dict] = field(default_factory=lambda: {"": {}})
+    #: "bandwidth" (GB/s of the bytes model, memory-bound ops) or "time" (ms, GEMM-bound ops).
+    metric: str = "bandwidth"
 
 
 def module_impl(build: Callable[[], Callable[[int], torch.nn.Module]], inputs: tuple[str, ...] = ("x",),
@@ -39,7 +44,7 @@ def module_impl(build: Callable[[], Callable[[int], torch.nn.Module]], inputs: t
     from ``inputs["w"]`` and frozen when ``frozen``.
     """
 
-    def make(data: dict):
+    def make(data: dict, **_variant):
         first = data[inputs[0]]
         module = build()(first.shape[-1]).to(device=first.device, dtype=first.dtype)
         with torch.no_grad():

@@ -19,7 +19,8 @@ Backward, with ``dy`` given, ``xa = d(x)·Aᵀ`` (saved, [T, r]) and ``dxa = s �
     db = Σ_rows dy
 
 Saved for backward: ``x`` (the caller keeps it anyway), ``xa`` (r values a row) and the dropout
-seed — the mask is regenerated, never stored.
+seed — the mask is regenerated, never stored. The adapter's contribution is added to the base
+GEMM's output in place (``addmm_``), so the peak holds one ``[T, N]`` output, as the base alone.
 """
 
 from __future__ import annotations
@@ -64,9 +65,9 @@ class LoRALinearFunction(torch.autograd.Function):
         x2d = x.reshape(-1, x.shape[-1])
         a, b_scaled = lora_A.to(dtype), (lora_B * scaling).to(dtype)  # rank-r: cheap casts
         xa = _dropped(x2d, dropout, seed) @ a.t()  # [T, r]
-        # the adapter's product becomes the C operand of the base GEMM: y = x·Wᵀ + C
-        lora_out = xa @ b_scaled.t() if bias is None else torch.addmm(bias.to(dtype), xa, b_scaled.t())
-        y = torch.addmm(lora_out, x2d, weight.to(dtype).t())
+        w = weight.to(dtype).t()
+        y = x2d @ w if bias is None else torch.addmm(bias.to(dtype), x2d, w)
+        y.addmm_(xa, b_scaled.t())  # in place: no second [T, N] buffer at the peak
         ctx.save_for_backward(x2d, weight, lora_A, lora_B, xa)
         ctx.scaling, ctx.dropout, ctx.seed, ctx.has_bias = scaling, dropout, seed, bias is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -82,10 +83,12 @@ class LoRALinearFunction(torch.autograd.Function):
         dxa = dy2d @ b_scaled  # [T, r]: s · dy·B
         dx = dA = dB = dW = db = None
         if needs_x:
-            lora_dx = dxa @ a  # [T, K]
-            if ctx.dropout:
-                lora_dx = lora_dx * dropout_mask(lora_dx, ctx.dropout, ctx.seed) / (1.0 - ctx.dropout)
-            dx = torch.addmm(lora_dx, dy2d, weight.to(dtype)).view(*dy.shape[:-1], x2d.shape[-1])
+            dx = dy2d @ weight.to(dtype)
+            if ctx.dropout:  # the mask sits between the two terms: one [T, K] temporary
+                dx += (dxa @ a) * dropout_mask(dx, ctx.dropout, ctx.seed) / (1.0 - ctx.dropout)
+            else:
+                dx.addmm_(dxa, a)  # in place
+            dx = dx.view(*dy.shape[:-1], x2d.shape[-1])
         if needs_a:
             dA = (dxa.t() @ _dropped(x2d, ctx.dropout, ctx.seed)).to(lora_A.dtype)
         if needs_bm:
