@@ -17,6 +17,7 @@ one short notice says so.
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 
 import torch
@@ -94,7 +95,29 @@ def _round_bf16_to_nearest_in_interpreter() -> None:
     builder.cast_impl = cast_impl
 
 
+def _reinterpret_triton_library() -> None:
+    """Make Triton's own ``@triton.jit`` helpers (``tl.sum``, ``tl.sigmoid``, …) interpretable.
+
+    They are wrapped when ``triton.language`` is imported: as compiled ``JITFunction``s if
+    ``TRITON_INTERPRET`` was unset then. A user who imports transformers, peft or anything else
+    that imports Triton *before* q35lab would otherwise get "Cannot call @triton.jit'd outside
+    of the scope of a kernel" from the first interpreted kernel. Re-wrap them the way
+    ``triton.jit`` would have under the interpreter.
+    """
+    if "triton.language" not in sys.modules:
+        return  # imported later, under TRITON_INTERPRET=1: nothing to fix
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    modules = [m for name, m in list(sys.modules.items()) if name.startswith("triton.language") and m is not None]
+    for module in modules:
+        for name, obj in list(vars(module).items()):
+            if isinstance(obj, JITFunction):
+                setattr(module, name, InterpretedFunction(obj.fn))
+
+
 if INTERPRET:
+    _reinterpret_triton_library()
     _round_bf16_to_nearest_in_interpreter()
 
 

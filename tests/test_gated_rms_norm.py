@@ -78,7 +78,9 @@ def test_hf_mode_is_bit_identical_to_the_transformers_module():
     x = torch.randn(32 * 9, 128, device=device(), dtype=torch.bfloat16)
     g = 2 * torch.randn_like(x)
     stats = agreement(ours(x, g), hf(x, g))
-    assert stats["frac_differ"] <= 1e-3 and stats["max_ulp"] <= 1
+    # A last-bit difference in rstd (sum order, rsqrt) can flip the first of transformers' three
+    # roundings, x̂ → bf16; carried through w· and ·silu that moves y by up to 2 ulps, rarely.
+    assert stats["frac_differ"] <= 1e-3 and stats["max_ulp"] <= 2
 
 
 def test_fused_mode_rounds_once_and_is_closer_to_fp64():

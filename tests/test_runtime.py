@@ -68,3 +68,21 @@ def test_interpreter_rounds_bf16_to_nearest_even():
     y = torch.empty(1000, dtype=torch.bfloat16, device=device())
     _cast[(1,)](x, y, 1000, BLOCK=1024)
     assert torch.equal(y, x.to(torch.bfloat16))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU default")
+def test_interpreter_works_when_triton_was_imported_first():
+    """transformers/peft import Triton before q35lab in a user's script: kernels must still run."""
+    script = (
+        "import triton.language, peft, transformers\n"  # Triton's helpers wrapped as compiled JITFunctions
+        "import torch, q35lab\n"
+        "x = torch.randn(5, 64)\n"
+        "y = q35lab.offset_rms_norm(x, torch.zeros(64))\n"
+        "ref = q35lab.ops.offset_rms_norm.offset_rms_norm_ref(x, torch.zeros(64))\n"
+        "g = q35lab.gated_rms_norm(x, x, torch.ones(64))\n"
+        "print(torch.allclose(y, ref, atol=1e-5), torch.isfinite(g).all().item())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("Q35LAB_INTERPRET", "TRITON_INTERPRET")}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True"]
