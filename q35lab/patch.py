@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .ops.gated_rms_norm import GatedRMSNorm
+from .ops.fused_projections import ConcatCache, Projection, fused_lora_projections
 from .ops.lora import lora_linear
 from .ops.offset_rms_norm import OffsetRMSNorm
 
@@ -27,12 +28,12 @@ HF_GATED_NORM_CLASSES = ("Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated")
 
 #: Optimizations whose issues have not landed yet: the flag is accepted, nothing is done.
 _NOT_YET = {
-    "in_proj": "not implemented yet (in_proj fusion, issue 5)",
     "flce": "not implemented yet (fused linear cross entropy, issue 6)",
 }
 
 _ORIGINAL = "_q35lab_original"  # attribute of a patched module: the module it replaced
 _LORA_PATCHED = "_q35lab_lora"  # attribute of a PEFT LoRA layer whose forward q35lab routes
+_IN_PROJ = "_q35lab_in_proj"  # attribute of a GatedDeltaNet projection computed by its group
 
 
 @dataclass
@@ -177,6 +178,105 @@ def _unroute_lora(layer: torch.nn.Module, report: "PatchReport") -> None:
         report.reverted["PEFT lora.Linear (forward)"] += 1
 
 
+# ----------------------------------------------------------------------------------------------
+# GatedDeltaNet in_proj fusion: the four projections of one input become one autograd node. The
+# module tree is left as it is (state-dict keys, PEFT's methods); each projection's forward asks
+# its group, and the first call with a new input computes all four outputs at once.
+# ----------------------------------------------------------------------------------------------
+IN_PROJ_NAMES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+
+def _is_gated_delta_net(module: torch.nn.Module) -> bool:
+    cls = type(module)
+    return cls.__name__.endswith("GatedDeltaNet") and cls.__module__.startswith("transformers.") and all(
+        hasattr(module, name) for name in IN_PROJ_NAMES)
+
+
+def _base_is_trainable(module: torch.nn.Module) -> bool:
+    base = getattr(module, "base_layer", module)
+    return base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad)
+
+
+def _projection_problem(module: torch.nn.Module) -> str | None:
+    if _base_is_trainable(module):
+        return "trainable base projection (full fine-tuning; the fusion is for frozen bases)"
+    if type(module) is torch.nn.Linear:
+        return None
+    if _is_peft_lora_linear(module):
+        return _lora_static_problem(module)
+    return f"{type(module).__name__} projection"
+
+
+def _projection_now(module: torch.nn.Module) -> Projection | None:
+    """This call's Projection for ``module``, or None when only its own forward is exact."""
+    if _base_is_trainable(module):  # unfrozen after patching
+        return None
+    if type(module) is torch.nn.Linear:
+        return Projection(module.weight, module.bias)
+    base = module.base_layer
+    if module.disable_adapters or module.merged:  # PEFT's forward is then base_layer(x) alone
+        return Projection(base.weight, base.bias)
+    active = [name for name in module.active_adapters if name in module.lora_A]
+    if len(active) > 1 or (active and active[0] in getattr(module, "lora_variant", {})):
+        return None
+    if not active:
+        return Projection(base.weight, base.bias)
+    name = active[0]
+    dropout = module.lora_dropout[name]
+    p = dropout.p if isinstance(dropout, torch.nn.Dropout) and dropout.training else 0.0
+    return Projection(base.weight, base.bias, module.lora_A[name].weight, module.lora_B[name].weight,
+                      module.scaling[name], p)
+
+
+class _InProjGroup:
+    def __init__(self, modules: list[torch.nn.Module]):
+        self.modules = modules
+        self.cache = ConcatCache()
+        self.input_key = None
+        self.pending: dict[int, torch.Tensor] = {}
+
+    def output(self, index: int, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+        module = self.modules[index]
+        if args or kwargs:
+            return type(module).forward(module, x, *args, **kwargs)
+        key = (id(x), x._version, x.data_ptr(), torch.is_grad_enabled(),
+               torch.is_autocast_enabled(x.device.type))
+        if key != self.input_key or index not in self.pending:
+            projections = [_projection_now(m) for m in self.modules]
+            if any(p is None for p in projections):  # e.g. two active adapters: PEFT's own path
+                return type(module).forward(module, x)
+            self.pending = dict(enumerate(fused_lora_projections(x, projections, cache=self.cache)))
+            self.input_key = key
+        return self.pending.pop(index)
+
+
+def _fuse_in_proj(gdn: torch.nn.Module, report: "PatchReport") -> None:
+    modules = [getattr(gdn, name) for name in IN_PROJ_NAMES]
+    if any(hasattr(m, _IN_PROJ) for m in modules):
+        report.already_patched += 1
+        return
+    problems = [p for p in map(_projection_problem, modules) if p]
+    if problems:
+        report.left_alone[f"{type(gdn).__name__} in_proj: {problems[0]}"] += 1
+        return
+    group = _InProjGroup(modules)
+    for index, module in enumerate(modules):
+        if hasattr(module, _LORA_PATCHED):  # routed by lora=True earlier: the group takes over
+            _unroute_lora(module, PatchReport())
+        module.forward = (lambda i: lambda x, *a, **k: group.output(i, x, a, k))(index)
+        object.__setattr__(module, _IN_PROJ, group)
+    report.replaced[f"{type(gdn).__name__} in_proj (4 projections, 1 node)"] += 1
+
+
+def _unfuse_in_proj(module: torch.nn.Module, report: "PatchReport") -> None:
+    group = getattr(module, _IN_PROJ, None)
+    if group is not None:
+        del module.forward
+        object.__delattr__(module, _IN_PROJ)
+        if module is group.modules[0]:
+            report.reverted["GatedDeltaNet in_proj"] += 1
+
+
 def _replacement_rule(module: torch.nn.Module):
     """(flag, builder) for a module q35lab knows how to replace, else None.
 
@@ -212,20 +312,25 @@ def apply_to_qwen3_5(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    enabled = {"rms_norm": rms_norm, "gated_norm": gated_norm, "lora": lora}
+    enabled = {"rms_norm": rms_norm, "gated_norm": gated_norm, "lora": lora, "in_proj": in_proj}
     report = PatchReport()
-    for flag, wanted in (("in_proj", in_proj), ("flce", flce)):
+    for flag, wanted in (("flce", flce),):
         if wanted:
             report.not_applied[flag] = _NOT_YET[flag]
     for flag, wanted in enabled.items():
         if not wanted:
             report.not_applied[flag] = "disabled by the caller"
+    if in_proj:
+        for module in model.modules():
+            if _is_gated_delta_net(module):
+                _fuse_in_proj(module, report)
     for parent, name, child in _named_children_everywhere(model):
         if hasattr(child, _ORIGINAL):
             report.already_patched += 1
             continue
-        if lora and _is_peft_lora_linear(child):
-            _route_lora(child, report)
+        if _is_peft_lora_linear(child):
+            if lora and not hasattr(child, _IN_PROJ):
+                _route_lora(child, report)
             continue
         rule = _replacement_rule(child)
         if rule is None or not enabled[rule[0]]:
@@ -246,6 +351,7 @@ def revert(model: torch.nn.Module) -> PatchReport:
     report = PatchReport()
     for parent, name, child in _named_children_everywhere(model):
         _unroute_lora(child, report)
+        _unfuse_in_proj(child, report)
         original = getattr(child, _ORIGINAL, None)
         if original is not None:
             original.weight = child.weight  # keep any Parameter swap made while patched

@@ -104,11 +104,11 @@ def test_model_with_nothing_to_patch():
 
 def test_flags_of_later_optimizations_are_reported_not_applied():
     report = q35lab.apply_to_qwen3_5(causal_lm(), gated_norm=True, lora=True, in_proj=True, flce=True)
-    assert set(report.not_applied) == {"in_proj", "flce"}
+    assert set(report.not_applied) == {"flce"}
     assert all("not implemented yet" in why for why in report.not_applied.values())
     off = q35lab.apply_to_qwen3_5(causal_lm(), rms_norm=False, gated_norm=False, lora=False, in_proj=False, flce=False)
     assert off.total == 0
-    assert off.not_applied == {flag: "disabled by the caller" for flag in ("rms_norm", "gated_norm", "lora")}
+    assert off.not_applied == {flag: "disabled by the caller" for flag in ("rms_norm", "gated_norm", "lora", "in_proj")}
     only_gated = q35lab.apply_to_qwen3_5(causal_lm(), rms_norm=False)
     assert only_gated.replaced == {"Qwen3_5RMSNormGated": 1}
 
@@ -128,10 +128,13 @@ def test_peft_wrapped_model():
     assert all(not p.requires_grad for n, p in peft_model.named_parameters() if "norm" in n)
 
     report = q35lab.apply_to_qwen3_5(peft_model)
-    patched = {"Qwen3_5RMSNorm": 7, "Qwen3_5RMSNormGated": 1, "PEFT lora.Linear (forward)": 3}
+    # q_proj, v_proj, out_proj routed; the GatedDeltaNet's four (frozen, no adapter) in_proj fused
+    patched = {"Qwen3_5RMSNorm": 7, "Qwen3_5RMSNormGated": 1, "PEFT lora.Linear (forward)": 3,
+               "Qwen3_5GatedDeltaNet in_proj (4 projections, 1 node)": 1}
     assert report.replaced == patched
     _assert_same_step(before, _loss_and_grads(peft_model, ids))
-    assert q35lab.revert(peft_model).reverted == patched
+    assert q35lab.revert(peft_model).reverted == {"Qwen3_5RMSNorm": 7, "Qwen3_5RMSNormGated": 1,
+                                                  "PEFT lora.Linear (forward)": 3, "GatedDeltaNet in_proj": 1}
     _assert_same_step(before, _loss_and_grads(peft_model, ids))
 
 
@@ -202,7 +205,7 @@ def test_fla_norm_with_another_activation_is_left_alone():
     model = causal_lm()
     gdn = _gdn_layers(model)[0]
     gdn.norm = _FlaStandIn(gdn.norm.weight.shape[0], activation="sigmoid").to(device())
-    report = q35lab.apply_to_qwen3_5(model, rms_norm=False)
+    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, in_proj=False)
     assert report.replaced == {} and sum(report.left_alone.values()) == 1
     assert "sigmoid" in str(report)
 

@@ -1,0 +1,196 @@
+"""N linear projections of one input, each with an optional LoRA adapter, as one autograd node.
+
+A GatedDeltaNet projects its input ``x`` four times (``in_proj_qkv``, ``in_proj_z``,
+``in_proj_b``, ``in_proj_a``). Unfused, with PEFT, ``x`` is read (and cast) four times, four
+adapter paths are saved, and autograd sums four ``dx`` contributions. Fused, with
+``W = [W_1; …; W_n]`` (concatenated rows, ``ΣN × K``), ``A = [A_1; …; A_m]`` (``Σr × K``) over
+the projections that have adapters::
+
+    y    = x·Wᵀ (+ b)                          one GEMM; y_i are column slices of y
+    xa   = d(x)·Aᵀ                              one GEMM, [T, Σr]
+    y_i += s_i · xa_i·B_iᵀ                      in place, on each slice
+
+Backward, with ``dy = [dy_1, …, dy_n]`` (one ``[T, ΣN]`` buffer)::
+
+    dxa_i = s_i · dy_i·B_i                      [T, r_i] each, concatenated: [T, Σr]
+    dx    = dy·W + m/q ⊙ dxa·A                  one GEMM + one in-place rank-Σr update
+    dA_i  = dxa_iᵀ·d(x),   dB_i = s_i · dy_iᵀ·xa_i
+
+Dropout: PEFT draws one mask per projection; with dropout the adapter inputs differ, so the
+adapter GEMMs run per projection (each mask regenerated from its seed in backward). The base
+weights are frozen in LoRA training: their concatenation is cached by ``ConcatCache`` and rebuilt
+only when one of them changes (a new tensor or an in-place update); the adapters change every
+optimizer step and are concatenated on every call (Σr·K values: negligible).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._checks import check_float_tensor
+from .lora import _compute_dtype, _dropped
+
+__all__ = ["Projection", "ConcatCache", "fused_lora_projections", "fused_lora_projections_ref"]
+
+
+@dataclass
+class Projection:
+    """One projection of the shared input: ``x·Wᵀ + b + scaling · dropout(x)·Aᵀ·Bᵀ``."""
+
+    weight: torch.Tensor  # [N, K]
+    bias: torch.Tensor | None = None  # [N]
+    lora_A: torch.Tensor | None = None  # [r, K]
+    lora_B: torch.Tensor | None = None  # [N, r]
+    scaling: float = 1.0
+    dropout: float = 0.0
+
+    @property
+    def has_adapter(self) -> bool:
+        return self.lora_A is not None
+
+
+class ConcatCache:
+    """The concatenated base weights (and biases) of a group, rebuilt only when they change."""
+
+    def __init__(self):
+        self._key = None
+        self._value = None
+
+    def get(self, projections: list[Projection], dtype: torch.dtype):
+        tensors = [p.weight for p in projections] + [p.bias for p in projections if p.bias is not None]
+        key = (dtype, tuple((id(t), t._version, t.data_ptr()) for t in tensors))
+        if key != self._key:
+            weight = torch.cat([p.weight.detach().to(dtype) for p in projections], dim=0)
+            bias = None
+            if any(p.bias is not None for p in projections):
+                bias = torch.cat([(p.bias.detach() if p.bias is not None else torch.zeros(p.weight.shape[0], device=weight.device)).to(dtype)
+                                  for p in projections])
+            self._key, self._value = key, (weight, bias)
+        return self._value
+
+
+def fused_lora_projections_ref(x: torch.Tensor, projections: list[Projection], seeds=None) -> tuple[torch.Tensor, ...]:
+    """The unfused computation (PEFT's, in ``x.dtype``), for tests and the notebook."""
+    from .lora import lora_linear_ref
+
+    outs = []
+    for i, p in enumerate(projections):
+        if p.has_adapter:
+            seed = 0 if seeds is None else seeds[i]
+            outs.append(lora_linear_ref(x, p.weight, p.lora_A, p.lora_B, p.scaling, p.bias, p.dropout, seed))
+        else:
+            outs.append(torch.nn.functional.linear(x, p.weight.to(x.dtype), None if p.bias is None else p.bias.to(x.dtype)))
+    return tuple(outs)
+
+
+class FusedLoRAProjectionsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight_cat, bias_cat, meta, *adapters):
+        """meta: (out_features per projection, [(index, scaling, dropout, seed)] per adapter)."""
+        out_features, lora_meta = meta
+        dtype = x.dtype
+        x2d = x.reshape(-1, x.shape[-1])
+        y = x2d @ weight_cat.t() if bias_cat is None else torch.addmm(bias_cat, x2d, weight_cat.t())
+        offsets = [0]
+        for n in out_features:
+            offsets.append(offsets[-1] + n)
+        A_list, B_list = adapters[0::2], adapters[1::2]
+        if lora_meta:
+            shared_input = all(dropout == 0.0 for _, _, dropout, _ in lora_meta)
+            if shared_input:  # one GEMM for every adapter's A
+                xa = x2d @ torch.cat([a.to(dtype) for a in A_list]).t()
+                xa_list = list(torch.split(xa, [a.shape[0] for a in A_list], dim=1))
+            else:
+                xa_list = [_dropped(x2d, dropout, seed) @ a.to(dtype).t() for a, (_, _, dropout, seed) in zip(A_list, lora_meta)]
+                xa = torch.cat(xa_list, dim=1)
+            for (index, scaling, _, _), xa_i, b in zip(lora_meta, xa_list, B_list):
+                y[:, offsets[index]:offsets[index + 1]].addmm_(xa_i, (b * scaling).to(dtype).t())
+        else:
+            xa = x2d.new_empty(0)
+        ctx.save_for_backward(x2d, weight_cat, xa, *adapters)
+        ctx.meta, ctx.offsets = meta, offsets
+        lead = x.shape[:-1]
+        return tuple(y[:, offsets[i]:offsets[i + 1]].view(*lead, n) for i, n in enumerate(out_features))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x2d, weight_cat, xa, *adapters = ctx.saved_tensors
+        out_features, lora_meta = ctx.meta
+        offsets, dtype = ctx.offsets, x2d.dtype
+        T = x2d.shape[0]
+        dy = torch.cat([(g.reshape(T, -1).to(dtype) if g is not None else x2d.new_zeros(T, n))
+                        for g, n in zip(grads, out_features)], dim=1)
+        dx = dy @ weight_cat
+        A_list, B_list = adapters[0::2], adapters[1::2]
+        adapter_grads = []
+        if lora_meta:
+            ranks = [a.shape[0] for a in A_list]
+            xa_list = torch.split(xa, ranks, dim=1)
+            dxa_list = [dy[:, offsets[i]:offsets[i + 1]] @ (b * s).to(dtype)
+                        for (i, s, _, _), b in zip(lora_meta, B_list)]
+            shared_input = all(dropout == 0.0 for _, _, dropout, _ in lora_meta)
+            if shared_input:
+                dxa = torch.cat(dxa_list, dim=1)
+                dx.addmm_(dxa, torch.cat([a.to(dtype) for a in A_list]))  # one rank-Σr update
+            for (i, s, dropout, seed), a, b, xa_i, dxa_i in zip(lora_meta, A_list, B_list, xa_list, dxa_list):
+                if not shared_input:
+                    lora_dx = dxa_i @ a.to(dtype)
+                    dx += lora_dx * (_dropped(torch.ones_like(lora_dx), dropout, seed)) if dropout else lora_dx
+                dA = (dxa_i.t() @ _dropped(x2d, dropout, seed)).to(a.dtype)
+                dB = (dy[:, offsets[i]:offsets[i + 1]].t() @ xa_i).to(b.dtype) * s
+                adapter_grads += [dA, dB]
+        dx = dx.view(*grads_shape(grads, x2d))
+        return (dx, None, None, None, *adapter_grads)
+
+
+def grads_shape(grads, x2d):
+    """The leading shape of the outputs (taken from any present gradient) plus in_features."""
+    for g in grads:
+        if g is not None:
+            return (*g.shape[:-1], x2d.shape[-1])
+    return tuple(x2d.shape)
+
+
+def fused_lora_projections(x: torch.Tensor, projections, *, cache: ConcatCache | None = None) -> tuple[torch.Tensor, ...]:
+    """All ``projections`` of ``x`` as one autograd node; returns one output per projection.
+
+    Args:
+        x: ``[..., K]``; cast to the autocast dtype under autocast, as ``F.linear`` would.
+        projections: ``Projection``s sharing ``x`` (adapters optional, mixed freely).
+        cache: keeps the concatenated base weights between calls (built anew without one).
+    The outputs are column slices of one ``[T, ΣN]`` buffer (views, not copies).
+    """
+    check_float_tensor("x", x)
+    projections = list(projections)
+    if not projections:
+        raise ValueError("projections: expected at least one Projection")
+    K = x.shape[-1]
+    adapters, lora_meta = [], []
+    for i, p in enumerate(projections):
+        if p.weight.dim() != 2 or p.weight.shape[1] != K:
+            raise ValueError(f"projections[{i}].weight: expected [N, {K}], got {tuple(p.weight.shape)}")
+        if p.weight.requires_grad or (p.bias is not None and p.bias.requires_grad):
+            raise ValueError(f"projections[{i}]: the base weight and bias must be frozen (LoRA); "
+                             "a trainable base projection is not fused")
+        if p.bias is not None and tuple(p.bias.shape) != (p.weight.shape[0],):
+            raise ValueError(f"projections[{i}].bias: expected [{p.weight.shape[0]}], got {tuple(p.bias.shape)}")
+        if (p.lora_A is None) != (p.lora_B is None):
+            raise ValueError(f"projections[{i}]: lora_A and lora_B must be given together")
+        if p.has_adapter:
+            r = p.lora_A.shape[0]
+            if p.lora_A.dim() != 2 or p.lora_A.shape[1] != K:
+                raise ValueError(f"projections[{i}].lora_A: expected [r, {K}], got {tuple(p.lora_A.shape)}")
+            if tuple(p.lora_B.shape) != (p.weight.shape[0], r):
+                raise ValueError(f"projections[{i}].lora_B: expected [{p.weight.shape[0]}, {r}], got {tuple(p.lora_B.shape)}")
+            if not 0.0 <= p.dropout < 1.0:
+                raise ValueError(f"projections[{i}].dropout: expected a probability in [0, 1), got {p.dropout!r}")
+            seed = int(torch.randint(0, 2**62, (1,)).item()) if p.dropout else 0
+            adapters += [p.lora_A, p.lora_B]
+            lora_meta.append((i, float(p.scaling), float(p.dropout), seed))
+    dtype = _compute_dtype(x)
+    weight_cat, bias_cat = (cache or ConcatCache()).get(projections, dtype)
+    meta = (tuple(p.weight.shape[0] for p in projections), tuple(lora_meta))
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return FusedLoRAProjectionsFunction.apply(x.to(dtype), weight_cat, bias_cat, meta, *adapters)

@@ -1,0 +1,193 @@
+"""fused_lora_projections against the unfused computation, and the in_proj fusion of a model."""
+
+import pytest
+import torch
+
+import q35lab
+from q35lab.numerics import assert_close_by_rule
+from q35lab.ops.fused_projections import (
+    ConcatCache, FusedLoRAProjectionsFunction, Projection, fused_lora_projections, fused_lora_projections_ref,
+)
+from q35lab.runtime import device
+
+K = 64
+OUT = (96, 48, 8, 8)  # qkv, z, b, a in miniature
+
+
+def _projections(with_adapter=(True, True, True, True), dtype=torch.float32, dropout=0.0, bias=False, rank=4):
+    ps = []
+    for n, adapter in zip(OUT, with_adapter):
+        p = Projection((0.1 * torch.randn(n, K, device=device())).to(dtype),
+                       bias=(0.1 * torch.randn(n, device=device())).to(dtype) if bias else None)
+        if adapter:
+            p.lora_A = (0.1 * torch.randn(rank, K, device=device())).requires_grad_()
+            p.lora_B = (0.1 * torch.randn(n, rank, device=device())).requires_grad_()
+            p.scaling, p.dropout = 2.0, dropout
+        ps.append(p)
+    return ps
+
+
+def _adapters(ps):
+    return [t for p in ps if p.has_adapter for t in (p.lora_A, p.lora_B)]
+
+
+@pytest.mark.parametrize("with_adapter", [(True,) * 4, (True, False, True, False), (False,) * 4, (False, False, False, True)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_outputs_and_every_gradient_match_the_unfused_computation(with_adapter, bias):
+    ps = _projections(with_adapter, bias=bias)
+    x = torch.randn(2, 7, K, device=device(), requires_grad=True)
+    outs, refs = fused_lora_projections(x, ps), fused_lora_projections_ref(x, ps)
+    assert [o.shape[-1] for o in outs] == list(OUT)
+    dys = [torch.randn_like(o) for o in outs]
+    wanted = [x, *_adapters(ps)]
+    for o, r in zip(outs, refs):
+        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
+    for ours, theirs in zip(torch.autograd.grad(outs, wanted, dys), torch.autograd.grad(refs, wanted, dys)):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_unused_outputs_get_no_gradient_and_cost_nothing_wrong():
+    ps = _projections()
+    x = torch.randn(5, K, device=device(), requires_grad=True)
+    outs, refs = fused_lora_projections(x, ps), fused_lora_projections_ref(x, ps)
+    used = [0, 2]
+    wanted = [x, *_adapters(ps)]
+    ours = torch.autograd.grad(sum(outs[i].square().sum() for i in used), wanted)
+    theirs = torch.autograd.grad(sum(refs[i].square().sum() for i in used), wanted, allow_unused=True)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, torch.zeros_like(a) if b is None else b, rtol=1e-4, atol=1e-5)
+
+
+def test_dropout_uses_one_mask_per_projection_like_peft():
+    ps = _projections(dropout=0.25)
+    x = torch.randn(6, K, device=device(), requires_grad=True)
+    torch.manual_seed(7)
+    outs = fused_lora_projections(x, ps)
+    torch.manual_seed(7)
+    seeds = [int(torch.randint(0, 2**62, (1,)).item()) for _ in ps]  # the draws it made, in order
+    refs = fused_lora_projections_ref(x, ps, seeds)
+    dys = [torch.randn_like(o) for o in outs]
+    wanted = [x, *_adapters(ps)]
+    for o, r in zip(outs, refs):
+        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
+    for ours, theirs in zip(torch.autograd.grad(outs, wanted, dys), torch.autograd.grad(refs, wanted, dys)):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_bf16_activations_by_the_numerics_rule():
+    ps = _projections(dtype=torch.bfloat16)
+    x = torch.randn(33, K, device=device()).bfloat16().requires_grad_()
+    outs, refs = fused_lora_projections(x, ps), fused_lora_projections_ref(x, ps)
+    x64 = x.detach().double().requires_grad_()
+    ps64 = [Projection(p.weight.double(), None, p.lora_A.detach().double().requires_grad_(),
+                       p.lora_B.detach().double().requires_grad_(), p.scaling) for p in ps]
+    refs64 = fused_lora_projections_ref(x64, ps64)
+    dys = [torch.randn_like(o) for o in outs]
+    for i, (o, r, e) in enumerate(zip(outs, refs, refs64)):
+        assert o.dtype == torch.bfloat16
+        assert_close_by_rule(f"y{i}", o, r, e)
+    names = ["dx"] + [f"d{n}{i}" for i in range(4) for n in ("A", "B")]
+    ours = torch.autograd.grad(outs, [x, *_adapters(ps)], dys)
+    theirs = torch.autograd.grad(refs, [x, *_adapters(ps)], dys)
+    exact = torch.autograd.grad(refs64, [x64, *_adapters(ps64)], [d.double() for d in dys])
+    for name, a, b, c in zip(names, ours, theirs, exact):
+        assert_close_by_rule(name, a.to(b.dtype), b, c)
+
+
+def test_an_optimizer_step_between_two_forwards_is_seen():
+    ps = _projections()
+    cache = ConcatCache()
+    x = torch.randn(4, K, device=device())
+    opt = torch.optim.SGD(_adapters(ps), lr=1.0)
+    first = fused_lora_projections(x, ps, cache=cache)
+    sum(o.sum() for o in first).backward()
+    opt.step()
+    second, expected = fused_lora_projections(x, ps, cache=cache), fused_lora_projections_ref(x, ps)
+    for o, r, f in zip(second, expected, first):
+        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(o, f)
+    with torch.no_grad():  # an in-place change of a frozen base weight (e.g. a merge) rebuilds the cache
+        ps[1].weight.add_(1.0)
+    third = fused_lora_projections(x, ps, cache=cache)
+    torch.testing.assert_close(third[1], fused_lora_projections_ref(x, ps)[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda ps: setattr(ps[0], "weight", torch.randn(96, K + 1)), r"projections\[0\].weight: expected"),
+        (lambda ps: setattr(ps[1], "lora_B", torch.randn(48, 3)), r"projections\[1\].lora_B: expected"),
+        (lambda ps: setattr(ps[2], "lora_B", None), "must be given together"),
+        (lambda ps: ps[3].weight.requires_grad_(), "must be frozen"),
+        (lambda ps: setattr(ps[0], "dropout", 1.5), "dropout: expected a probability"),
+    ],
+)
+def test_bad_input_raises_naming_the_argument(change, message):
+    ps = _projections()
+    change(ps)
+    with pytest.raises(ValueError, match=message):
+        fused_lora_projections(torch.randn(3, K, device=device()), ps)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model: four in_proj LoRA projections of every GatedDeltaNet as one node.
+# ---------------------------------------------------------------------------------------------
+def _peft_tiny(targets):
+    peft = pytest.importorskip("peft")
+    from tiny_models import causal_lm
+
+    model = peft.get_peft_model(causal_lm(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, 0, 0.05)
+    return model
+
+
+def _step(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("targets", [
+    ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj"],
+    ["in_proj_qkv", "in_proj_b"],  # LoRA on some of the four only
+])
+def test_tiny_peft_model_same_loss_and_gradients_and_the_fused_path_is_taken(monkeypatch, targets):
+    model = _peft_tiny(targets)
+    ids = torch.randint(0, 128, (2, 9), device=device())
+    loss_peft, grads_peft = _step(model, ids)
+    report = q35lab.apply_to_qwen3_5(model)
+    assert report.replaced["Qwen3_5GatedDeltaNet in_proj (4 projections, 1 node)"] == 1
+    calls = []
+    original = FusedLoRAProjectionsFunction.forward
+    monkeypatch.setattr(FusedLoRAProjectionsFunction, "forward",
+                        staticmethod(lambda ctx, *a: calls.append(1) or original(ctx, *a)))
+    loss_ours, grads_ours = _step(model, ids)
+    assert len(calls) == 1  # one GatedDeltaNet, one fused node per forward
+    torch.testing.assert_close(loss_ours, loss_peft, rtol=1e-5, atol=1e-6)
+    assert grads_ours.keys() == grads_peft.keys()
+    for name in grads_peft:
+        torch.testing.assert_close(grads_ours[name], grads_peft[name], rtol=1e-3, atol=1e-5, msg=name)
+    q35lab.revert(model)
+    loss_back, _ = _step(model, ids)
+    assert len(calls) == 1
+    torch.testing.assert_close(loss_back, loss_peft, rtol=1e-6, atol=1e-6)
+
+
+def test_disabled_adapters_and_gradient_checkpointing():
+    model = _peft_tiny(["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"])
+    ids = torch.randint(0, 128, (1, 8), device=device())
+    with model.disable_adapter():
+        base_loss = model(input_ids=ids, labels=ids).loss.detach()
+    loss_peft, grads_peft = _step(model, ids)
+    q35lab.apply_to_qwen3_5(model)
+    with model.disable_adapter():  # fused, base projections only
+        torch.testing.assert_close(model(input_ids=ids, labels=ids).loss.detach(), base_loss, rtol=1e-5, atol=1e-6)
+    model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    loss_ckpt, grads_ckpt = _step(model, ids)
+    torch.testing.assert_close(loss_ckpt, loss_peft, rtol=1e-5, atol=1e-6)
+    for name in grads_peft:
+        torch.testing.assert_close(grads_ckpt[name], grads_peft[name], rtol=1e-3, atol=1e-5, msg=name)
