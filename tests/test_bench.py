@@ -104,10 +104,11 @@ def test_cli_bench_without_gpu_runs_the_smoke_checks():
     assert out.stdout.count(" ok") == 12 and "FAIL" not in out.stdout  # 2 sizes × 2 dtypes × 3 tensors
 
 
-def test_every_lora_implementation_runs_every_variant_on_a_cpu():
-    """The LoRA sweep's setups (PEFT peers, ours, autocast and checkpoint variants) at a tiny T."""
+@pytest.mark.parametrize("op", ["lora", "in_proj"])
+def test_every_gemm_implementation_runs_every_variant_on_a_cpu(op):
+    """The LoRA sweeps' setups (PEFT peers, ours, autocast and checkpoint variants) at a tiny T."""
     pytest.importorskip("peft")
-    spec = bench.discover()["lora"]
+    spec = bench.discover()[op]
     data = spec.make_inputs(4, torch.device("cpu"))
     for impl, (make, needs) in spec.impls.items():
         if bench._missing(needs):

@@ -1,0 +1,156 @@
+"""Benchmark of the GatedDeltaNet in_proj fusion: four LoRA projections (r = 16) of one input.
+
+transformers' default Qwen3.5 dims: hidden 4096 → in_proj_qkv 8192, in_proj_z 4096, in_proj_b
+32, in_proj_a 32. Implementations:
+
+* ``4 bases (frozen)``: the four frozen projections alone, called one after another — the floor;
+* ``peft`` / ``peft (bf16 adapters)``: four PEFT LoRA layers, defaults / bf16 adapters;
+* ``axolotl``: axolotl's fused ``apply_lora_gdn_in_proj`` over the PEFT layers (needs bitsandbytes);
+* ``q35lab``: ``fused_lora_projections`` over the same PEFT parameters (what the patch runs).
+
+Variants: with and without bf16 autocast. GEMM-bound: reported as time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .. import shapes
+from ..numerics import compare
+from ..ops.fused_projections import ConcatCache, Projection, fused_lora_projections, fused_lora_projections_ref
+from .spec import OpBench
+
+HIDDEN = shapes.HIDDEN
+KEY_DIM = shapes.GDN_KEY_HEADS * shapes.GDN_HEAD_DIM  # 2048
+VALUE_DIM = shapes.GDN_VALUE_HEADS * shapes.GDN_HEAD_DIM  # 4096
+OUT_FEATURES = {"in_proj_qkv": 2 * KEY_DIM + VALUE_DIM, "in_proj_z": VALUE_DIM,
+                "in_proj_b": shapes.GDN_VALUE_HEADS, "in_proj_a": shapes.GDN_VALUE_HEADS}
+RANK, ALPHA = 16, 32
+
+
+class _InProjections(torch.nn.Module):
+    """The four projections of a GatedDeltaNet, and nothing else."""
+
+    def __init__(self):
+        super().__init__()
+        for name, n in OUT_FEATURES.items():
+            setattr(self, name, torch.nn.Linear(HIDDEN, n, bias=False))
+
+    def forward(self, x):
+        return tuple(getattr(self, name)(x) for name in OUT_FEATURES)
+
+
+def make_inputs(T: int, device, dtype=torch.bfloat16) -> dict:
+    data = {"x": torch.randn(1, T, HIDDEN, device=device, dtype=dtype)}
+    data["dy"] = tuple(torch.randn(1, T, n, device=device, dtype=dtype) for n in OUT_FEATURES.values())
+    for name, n in OUT_FEATURES.items():
+        data[f"W.{name}"] = (0.02 * torch.randn(n, HIDDEN, device=device)).to(dtype)
+        data[f"A.{name}"] = 0.02 * torch.randn(RANK, HIDDEN, device=device)
+        data[f"B.{name}"] = 0.02 * torch.randn(n, RANK, device=device)
+    return data
+
+
+def bytes_model(T: int, pass_: str) -> int:
+    """GEMM-bound: compared by time (the GB/s columns stay empty)."""
+    return 0
+
+
+def _build(data: dict, adapters: bool, adapter_fp32: bool = True):
+    module = _InProjections().to(device=data["x"].device, dtype=data["x"].dtype).requires_grad_(False)
+    with torch.no_grad():
+        for name in OUT_FEATURES:
+            getattr(module, name).weight.copy_(data[f"W.{name}"])
+    if not adapters:
+        return module, []
+    import peft
+
+    config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(OUT_FEATURES))
+    model = peft.get_peft_model(module, config, autocast_adapter_dtype=adapter_fp32)
+    inner = model.base_model.model
+    params = []
+    with torch.no_grad():
+        for name in OUT_FEATURES:
+            layer = getattr(inner, name)
+            layer.lora_A["default"].weight.copy_(data[f"A.{name}"])
+            layer.lora_B["default"].weight.copy_(data[f"B.{name}"])
+            params += [layer.lora_A["default"].weight, layer.lora_B["default"].weight]
+    return inner, params
+
+
+def _setup(kind: str):
+    def make(data: dict, autocast: bool = False):
+        x = data["x"].detach().requires_grad_()
+        inner, params = _build(data, adapters=(kind != "base"), adapter_fp32=(kind != "peft_bf16"))
+        if kind == "q35lab":
+            layers = [getattr(inner, name) for name in OUT_FEATURES]
+            projections = [Projection(l.base_layer.weight, None, l.lora_A["default"].weight, l.lora_B["default"].weight,
+                                      l.scaling["default"]) for l in layers]
+            cache = ConcatCache()
+            run = lambda t: fused_lora_projections(t, projections, cache=cache)  # noqa: E731
+        elif kind == "axolotl":
+            from axolotl.kernels.lora import apply_lora_gdn_in_proj
+
+            run = lambda t: apply_lora_gdn_in_proj(inner, t)  # noqa: E731
+        else:
+            run = inner
+
+        def forward():
+            amp = torch.autocast(device_type=x.device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+            with amp:
+                return tuple(run(x))
+
+        return forward, [x, *params], data["dy"]
+
+    return make
+
+
+def check(T: int, device, dtype=torch.bfloat16) -> list[dict]:
+    """The rule for the four outputs, dx and every adapter gradient (fp32 adapters, activations
+    in ``dtype``), against the unfused computation in ``dtype`` and in fp64."""
+    data = make_inputs(T, device, dtype)
+
+    def projections(cast):
+        return [Projection(cast(data[f"W.{n}"]), None, cast(data[f"A.{n}"]).clone().requires_grad_(),
+                           cast(data[f"B.{n}"]).clone().requires_grad_(), ALPHA / RANK) for n in OUT_FEATURES]
+
+    def run(fn, x, ps, dys):
+        outs = fn(x, ps)
+        wanted = [x] + [t for p in ps for t in (p.lora_A, p.lora_B)]
+        return [*outs, *torch.autograd.grad(outs, wanted, dys)]
+
+    x = data["x"].requires_grad_()
+    same = projections(lambda t: t)
+    out = run(fused_lora_projections, x, same, data["dy"])
+    ref = run(fused_lora_projections_ref, x, same, data["dy"])
+    x64 = x.detach().double().requires_grad_()
+    ref64 = run(fused_lora_projections_ref, x64, projections(lambda t: t.double()), [d.double() for d in data["dy"]])
+    names = [f"y.{n}" for n in OUT_FEATURES] + ["dx"] + [f"d{m}.{n}" for n in OUT_FEATURES for m in ("A", "B")]
+    rows = []
+    for name, a, b, c in zip(names, out, ref, ref64):
+        result = compare(name, a.to(b.dtype), b, c)
+        rows.append({"impl": "q35lab", "tensor": name, "kernel_err": result.kernel_err,
+                     "ref_err": result.ref_err, "bound": result.bound, "ok": result.ok})
+    return rows
+
+
+BENCH = OpBench(
+    name="in_proj",
+    title=f"GatedDeltaNet in_proj: 4 projections of hidden {HIDDEN}, r = {RANK}, bf16 base",
+    make_inputs=make_inputs,
+    bytes_model=bytes_model,
+    impls={
+        "4 bases (frozen)": (_setup("base"), ()),
+        "peft": (_setup("peft"), ("peft",)),
+        "peft (bf16 adapters)": (_setup("peft_bf16"), ("peft",)),
+        "axolotl": (_setup("axolotl"), ("peft", "axolotl", "bitsandbytes")),
+        "q35lab": (_setup("q35lab"), ("peft",)),
+    },
+    check=check,
+    ours="q35lab",
+    sweep=[1024 * 2**i for i in range(7)],  # 1k … 64k
+    quick=[8 * 1024, 32 * 1024],
+    variants={"": {}, "autocast": {"autocast": True}},
+    metric="time",
+)
