@@ -91,3 +91,13 @@ def agreement(out: torch.Tensor, hf: torch.Tensor) -> dict[str, float]:
         "max_ulp": ulps.max().item() if ulps.numel() else 0,
         "rel_err": diff / norm if norm > 0 else diff,
     }
+
+
+def rule_rows(impl: str, names, outs, refs, refs64) -> list[dict]:
+    """``compare`` for each named tensor, as rows for a numerics CSV (``out`` cast to ``ref``'s dtype)."""
+    rows = []
+    for name, out, ref, ref64 in zip(names, outs, refs, refs64):
+        result = compare(name, out.to(ref.dtype), ref, ref64)
+        rows.append({"impl": impl, "tensor": name, "kernel_err": result.kernel_err,
+                     "ref_err": result.ref_err, "bound": result.bound, "ok": result.ok})
+    return rows

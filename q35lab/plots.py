@@ -53,18 +53,23 @@ def _log2_tokens_axis(ax, Ts) -> None:
     ax.grid(True, which="major", ls=":", alpha=0.6)
 
 
-def plot_bandwidth(ax, df, pass_: str, ours: str, copy_gbps: float) -> None:
-    """GB/s of the minimal traffic (kernel time solid, wall time dotted); the copy ceiling dashed."""
-    sub = df[df["pass"] == pass_]
+def _kernel_and_wall_lines(ax, sub, ours: str, kernel_col: str, wall_col: str) -> None:
+    """One colour per implementation: kernel-time metric solid with markers, wall-time dotted."""
     impls = _ordered_impls(sub, ours)
     for impl in impls:
         rows = sub[(sub["impl"] == impl) & (sub["status"] == "ok")].sort_values("T")
         if rows.empty:
             continue
-        color = color_of(impl, impls)
-        lw = 2.4 if impl == ours else 1.4
-        ax.plot(rows["T"], rows["gbps_kernel"], "-o", color=color, lw=lw, ms=4, label=impl, zorder=3 if impl == ours else 2)
-        ax.plot(rows["T"], rows["gbps_wall"], ":", color=color, lw=1.0, zorder=1)
+        color, mine = color_of(impl, impls), impl == ours
+        ax.plot(rows["T"], rows[kernel_col], "-o", color=color, lw=2.4 if mine else 1.4, ms=4, label=impl,
+                zorder=3 if mine else 2)
+        ax.plot(rows["T"], rows[wall_col], ":", color=color, lw=1.0, zorder=1)
+
+
+def plot_bandwidth(ax, df, pass_: str, ours: str, copy_gbps: float) -> None:
+    """GB/s of the minimal traffic (kernel time solid, wall time dotted); the copy ceiling dashed."""
+    sub = df[df["pass"] == pass_]
+    _kernel_and_wall_lines(ax, sub, ours, "gbps_kernel", "gbps_wall")
     ax.axhline(copy_gbps, color="black", ls="--", lw=1)
     ax.text(sub["T"].min(), copy_gbps * 1.01, f" copy {copy_gbps:.0f} GB/s", va="bottom", fontsize=8)
     ax.set_ylim(0, copy_gbps * 1.12)
@@ -78,15 +83,7 @@ def plot_bandwidth(ax, df, pass_: str, ours: str, copy_gbps: float) -> None:
 def plot_time(ax, df, pass_: str, ours: str) -> None:
     """Time per call against T for GEMM-bound ops (kernel time solid, wall time dotted)."""
     sub = df[df["pass"] == pass_]
-    impls = _ordered_impls(sub, ours)
-    for impl in impls:
-        rows = sub[(sub["impl"] == impl) & (sub["status"] == "ok")].sort_values("T")
-        if rows.empty:
-            continue
-        color = color_of(impl, impls)
-        ax.plot(rows["T"], rows["kernel_ms"], "-o", color=color, lw=2.4 if impl == ours else 1.4, ms=4, label=impl,
-                zorder=3 if impl == ours else 2)
-        ax.plot(rows["T"], rows["wall_ms"], ":", color=color, lw=1.0, zorder=1)
+    _kernel_and_wall_lines(ax, sub, ours, "kernel_ms", "wall_ms")
     ax.set_yscale("log")
     ax.set_ylabel("ms per call (solid: kernel time, dotted: wall)")
     _log2_tokens_axis(ax, sub["T"])

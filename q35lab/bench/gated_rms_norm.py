@@ -17,7 +17,7 @@ import importlib.util
 import torch
 
 from .. import shapes
-from ..numerics import agreement, compare
+from ..numerics import agreement, rule_rows
 from ..ops.gated_rms_norm import GatedRMSNorm, gated_rms_norm, gated_rms_norm_ref
 from .spec import OpBench, module_impl
 
@@ -89,10 +89,7 @@ def check(T: int, device, dtype=torch.bfloat16) -> list[dict]:
         ref = run(gated_rms_norm_ref, x, g, w, data["dy"])
         x64, g64, w64 = (t.detach().double().requires_grad_() for t in (x, g, w))
         ref64 = run(gated_rms_norm_ref, x64, g64, w64, data["dy"].double())
-        for name, a, b, c in zip(("y", "dx", "dgate", "dw"), out, ref, ref64):
-            result = compare(name, a, b, c)
-            rows.append({"impl": f"q35lab {rounding}", "tensor": name, "kernel_err": result.kernel_err,
-                         "ref_err": result.ref_err, "bound": result.bound, "ok": result.ok})
+        rows += rule_rows(f"q35lab {rounding}", ("y", "dx", "dgate", "dw"), out, ref, ref64)
         peer = {"hf": (_hf_class, "transformers"), "fused": (_fla_class, "fla")}[rounding]
         available = importlib.util.find_spec(peer[1]) is not None and (rounding == "hf" or device.type == "cuda")
         if available:

@@ -18,7 +18,7 @@ import contextlib
 import torch
 
 from .. import shapes
-from ..numerics import compare
+from ..numerics import rule_rows
 from ..ops.fused_projections import ConcatCache, Projection, fused_lora_projections, fused_lora_projections_ref
 from .spec import OpBench
 
@@ -127,12 +127,7 @@ def check(T: int, device, dtype=torch.bfloat16) -> list[dict]:
     x64 = x.detach().double().requires_grad_()
     ref64 = run(fused_lora_projections_ref, x64, projections(lambda t: t.double()), [d.double() for d in data["dy"]])
     names = [f"y.{n}" for n in OUT_FEATURES] + ["dx"] + [f"d{m}.{n}" for n in OUT_FEATURES for m in ("A", "B")]
-    rows = []
-    for name, a, b, c in zip(names, out, ref, ref64):
-        result = compare(name, a.to(b.dtype), b, c)
-        rows.append({"impl": "q35lab", "tensor": name, "kernel_err": result.kernel_err,
-                     "ref_err": result.ref_err, "bound": result.bound, "ok": result.ok})
-    return rows
+    return rule_rows("q35lab", names, out, ref, ref64)
 
 
 BENCH = OpBench(

@@ -23,7 +23,7 @@ import contextlib
 import torch
 
 from .. import shapes
-from ..numerics import compare
+from ..numerics import rule_rows
 from ..ops.lora import lora_linear, lora_linear_ref
 from .spec import OpBench
 
@@ -118,12 +118,7 @@ def check(T: int, device, dtype=torch.bfloat16) -> list[dict]:
     ref = run(lora_linear_ref, x, data["W"], A, B, data["dy"])
     x64, A64, B64 = (t.detach().double().requires_grad_() for t in (x, A, B))
     ref64 = run(lora_linear_ref, x64, data["W"].double(), A64, B64, data["dy"].double())
-    rows = []
-    for name, a, b, c in zip(("y", "dx", "dA", "dB"), out, ref, ref64):
-        result = compare(name, a.to(b.dtype), b, c)
-        rows.append({"impl": "q35lab", "tensor": name, "kernel_err": result.kernel_err,
-                     "ref_err": result.ref_err, "bound": result.bound, "ok": result.ok})
-    return rows
+    return rule_rows("q35lab", ("y", "dx", "dA", "dB"), out, ref, ref64)
 
 
 BENCH = OpBench(

@@ -16,7 +16,7 @@ import importlib.util
 import torch
 
 from .. import shapes
-from ..numerics import agreement, compare
+from ..numerics import agreement, compare, rule_rows
 from ..ops.offset_rms_norm import OffsetRMSNorm, offset_rms_norm, offset_rms_norm_ref
 from .spec import OpBench, module_impl
 
@@ -86,11 +86,7 @@ def check(T: int, device, dtype=torch.bfloat16) -> list[dict]:
     ref = run(offset_rms_norm_ref, x, w, dy)
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     ref64 = run(offset_rms_norm_ref, x64, w64, dy.double())
-    rows = []
-    for name, a, b, c in zip(("y", "dx", "dw"), out, ref, ref64):
-        result = compare(name, a, b, c)
-        rows.append({"impl": "q35lab", "tensor": name, "kernel_err": result.kernel_err,
-                     "ref_err": result.ref_err, "bound": result.bound, "ok": result.ok})
+    rows = rule_rows("q35lab", ("y", "dx", "dw"), out, ref, ref64)
     try:
         hf_y = _hf_output(x.detach(), w.detach())
     except ImportError:
