@@ -77,10 +77,16 @@ def test_hf_mode_is_bit_identical_to_the_transformers_module():
     ours.load_state_dict(hf.state_dict())
     x = torch.randn(32 * 9, 128, device=device(), dtype=torch.bfloat16)
     g = 2 * torch.randn_like(x)
-    stats = agreement(ours(x, g), hf(x, g))
-    # A last-bit difference in rstd (sum order, rsqrt) can flip the first of transformers' three
-    # roundings, x̂ → bf16; carried through w· and ·silu that moves y by up to 2 ulps, rarely.
-    assert stats["frac_differ"] <= 1e-3 and stats["max_ulp"] <= 2
+    y, y_hf = ours(x, g), hf(x, g)
+    stats = agreement(y, y_hf)
+    assert stats["frac_differ"] <= 1e-3
+    # A last-bit difference in rstd (sum order) can flip the first of transformers' three
+    # roundings, x̂ → bf16; the flip can carry through the two later roundings, each ≤ 2⁻⁷
+    # relative: a few ulps of y, rarely (seen: ≤ 3 ulps on ≤ 3 of 36,864 elements, ≤ 1.03e-2
+    # relative over 60 seeds).
+    differ = y != y_hf
+    relative = ((y.float() - y_hf.float()).abs() / y_hf.float().abs())[differ]
+    assert relative.numel() == 0 or relative.max().item() <= 3 * 2**-7
 
 
 def test_fused_mode_rounds_once_and_is_closer_to_fp64():
