@@ -8,6 +8,7 @@ defined, hence ``runtime`` is imported first.
 from . import runtime  # noqa: F401  (first: chooses compiled Triton or the interpreter)
 from .ops.gated_rms_norm import GatedRMSNorm, gated_rms_norm
 from .ops.fused_projections import Projection, fused_lora_projections
+from .ops.linear_cross_entropy import linear_cross_entropy
 from .ops.lora import lora_linear
 from .ops.offset_rms_norm import OffsetRMSNorm, offset_rms_norm
 from .patch import PatchReport, apply_to_qwen3_5, revert
@@ -22,6 +23,7 @@ __all__ = [
     "lora_linear",
     "fused_lora_projections",
     "Projection",
+    "linear_cross_entropy",
     "apply_to_qwen3_5",
     "revert",
     "PatchReport",

@@ -1,0 +1,232 @@
+"""Fused linear cross entropy: the loss over a 248,320-token vocabulary without all the logits.
+
+For hidden states ``x`` ([T, H]), the LM head ``W`` ([V, H]) and targets ``t``::
+
+    z_i    = x_i · Wᵀ                                 logits of token i, [V]
+    lse_i  = log Σ_j exp(z_ij)                        fp32, online over blocks of V
+    loss_i = lse_i − z_i,t_i                          0 where t_i = ignore_index
+    loss   = Σ_i loss_i / n_valid  (mean),  Σ_i loss_i  (sum),  or loss_i  (none)
+
+Gradients, with ``g_i`` the weight of token i in the reduction (1/n_valid, 1, or the upstream
+gradient of loss_i) and ``p_i = softmax(z_i)``::
+
+    dz_i = g_i · (p_i − onehot(t_i))                  written over z_i, in place
+    dx_i = dz_i · W,      dW = Σ_i dz_iᵀ · x_i
+
+Tokens are processed in chunks: per chunk one GEMM makes its logits ([C, V] in the compute
+dtype), one Triton kernel turns each row into its loss and — in place — its logit gradient, and
+two GEMMs give the chunk's dx and its share of dW, accumulated in fp32 (cast once at the end).
+Only one chunk of logits ever exists. For the
+"mean" and "sum" reductions the gradients are computed during the forward (the upstream gradient
+is a scalar, applied in backward); for "none" the backward recomputes each chunk's logits and
+statistics with the per-token weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import check_float_tensor, check_same_device
+from .lora import _compute_dtype
+
+__all__ = ["linear_cross_entropy", "linear_cross_entropy_ref", "LinearCrossEntropyFunction", "default_chunk_size",
+           "CHUNK_BYTES"]
+
+#: Bytes one chunk of logits may take (in the compute dtype): the knob that trades memory for
+#: GEMM size. ``linear_cross_entropy(..., chunk_size=N)`` overrides the rows per chunk directly.
+CHUNK_BYTES = 256 * 2**20
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def linear_cross_entropy_ref(input, linear_weight, target, *, ignore_index=-100, reduction="mean"):
+    """``cross_entropy(linear(input, W).float(), target)``: the materialising reference (fp64 stays fp64)."""
+    logits = torch.nn.functional.linear(input, linear_weight)
+    logits = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                             ignore_index=ignore_index, reduction=reduction).reshape(
+        target.shape if reduction == "none" else ())
+
+
+@triton.jit
+def _ce_rows_kernel(
+    LOGITS,  # [n_rows, n_cols]: logits in; with COMPUTE_GRAD their gradient out, in place
+    TARGET,  # [n_rows] int64
+    SCALE,  # [n_rows] fp32: g_i, the weight of each row's loss in the reduction
+    LOSS,  # [n_rows] fp32 out: lse − z_target, 0 for ignored rows
+    n_cols,
+    stride,
+    ignore_index,
+    BLOCK: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr,
+):
+    """One row per program: an online max and Σexp in fp32, then (optionally) g·(softmax − onehot).
+
+    The softmax is exp(z − max) / Σ, not exp(z − lse): z − max is exact for the largest logits,
+    where the gradient is largest, while lse carries a rounding of its own.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    base = LOGITS + row * stride
+    target = tl.load(TARGET + row)
+    ignored = target == ignore_index
+    running_max = tl.full([], -float("inf"), tl.float32)
+    running_sum = tl.zeros([], tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        z = tl.load(base + cols, mask=cols < n_cols, other=-float("inf")).to(tl.float32)
+        new_max = tl.maximum(running_max, tl.max(z, axis=0))
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
+        running_max = new_max
+    safe_target = tl.where(ignored, 0, target)
+    z_target = tl.load(base + safe_target).to(tl.float32)
+    tl.store(LOSS + row, tl.where(ignored, 0.0, (running_max - z_target) + tl.log(running_sum)))
+    if COMPUTE_GRAD:
+        scale = tl.where(ignored, 0.0, tl.load(SCALE + row))
+        inv_sum = 1.0 / running_sum
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+            grad = tl.exp(z - running_max) * inv_sum - tl.where(cols == target, 1.0, 0.0)
+            tl.store(base + cols, (grad * scale).to(LOGITS.dtype.element_ty), mask=mask)
+
+
+def _ce_rows(logits, target, scale, loss, ignore_index, compute_grad):
+    n_rows, n_cols = logits.shape
+    if n_rows == 0:
+        return
+    block = min(8192, triton.next_power_of_2(n_cols))
+    _ce_rows_kernel[(n_rows,)](
+        logits, target, scale, loss, n_cols, logits.stride(0), ignore_index,
+        BLOCK=block, COMPUTE_GRAD=compute_grad, num_warps=8 if block >= 4096 else 4,
+    )
+
+
+def default_chunk_size(n_rows: int, vocab: int, dtype: torch.dtype) -> int:
+    """Rows per chunk so that one chunk of logits takes about ``CHUNK_BYTES``."""
+    rows = max(1, CHUNK_BYTES // (vocab * torch.empty((), dtype=dtype).element_size()))
+    return max(1, min(n_rows, 1 << (rows.bit_length() - 1)))  # a power of two for the GEMMs
+
+
+def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a·b with ``acc`` in fp32: each chunk's product is added unrounded (DESIGN: never
+    rely on bf16 arithmetic — a bf16 accumulator would round once per chunk)."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    if acc.is_cuda:
+        try:  # cuBLAS: bf16 operands, fp32 accumulator, in place
+            torch.ops.aten.addmm.dtype_out(acc, a, b, acc.dtype, out=acc)
+            return
+        except (RuntimeError, AttributeError):
+            pass
+    acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+def _chunks(n_rows: int, chunk_size: int):
+    for start in range(0, n_rows, chunk_size):
+        yield slice(start, min(start + chunk_size, n_rows))
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, weight, target, ignore_index: int, reduction: str, chunk_size: int):
+        n_rows, vocab = x2d.shape[0], weight.shape[0]
+        needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        valid = target != ignore_index
+        n_valid = valid.sum()
+        loss_rows = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
+        grads_now = reduction != "none" and (needs_dx or needs_dw)
+        if reduction == "mean":  # an all-ignored batch: weight 0, loss 0, gradients 0 (never NaN)
+            scale = valid.float() / n_valid.clamp_min(1)
+        else:
+            scale = valid.float()
+        dx = torch.empty_like(x2d) if grads_now and needs_dx else None
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads_now and needs_dw else None
+        w = weight.to(x2d.dtype)
+        for rows in _chunks(n_rows, chunk_size):
+            logits = x2d[rows] @ w.t()  # [C, V]: the only logits that ever exist
+            _ce_rows(logits, target[rows], scale[rows], loss_rows[rows], ignore_index, compute_grad=grads_now)
+            if dx is not None:
+                torch.mm(logits, w, out=dx[rows])
+            if dw is not None:
+                _accumulate(dw, logits.t(), x2d[rows])
+        if dw is not None:
+            dw = dw.to(weight.dtype)
+        ctx.reduction, ctx.ignore_index, ctx.chunk_size, ctx.grads_now = reduction, ignore_index, chunk_size, grads_now
+        if grads_now:
+            ctx.save_for_backward(dx, dw)
+        else:
+            ctx.save_for_backward(x2d, weight, target)
+        if reduction == "none":
+            return loss_rows
+        total = loss_rows.sum()
+        return total / n_valid.clamp_min(1) if reduction == "mean" else total
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if ctx.grads_now:
+            dx, dw = ctx.saved_tensors
+            # the upstream gradient is a scalar (1, or 1/accumulation steps): scale in place
+            if dx is not None:
+                dx.mul_(grad_loss.to(dx.dtype))
+            if dw is not None:
+                dw.mul_(grad_loss.to(dw.dtype))
+            return dx, dw, None, None, None, None
+        x2d, weight, target = ctx.saved_tensors  # reduction="none": per-token upstream weights
+        needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        scale = grad_loss.to(torch.float32).contiguous()
+        dx = torch.empty_like(x2d) if needs_dx else None
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_dw else None
+        w = weight.to(x2d.dtype)
+        scratch = torch.empty(min(ctx.chunk_size, x2d.shape[0]), dtype=torch.float32, device=x2d.device)
+        for rows in _chunks(x2d.shape[0], ctx.chunk_size):
+            logits = x2d[rows] @ w.t()  # recomputed: the statistics come again with the gradient
+            _ce_rows(logits, target[rows], scale[rows], scratch, ctx.ignore_index, compute_grad=True)
+            if dx is not None:
+                torch.mm(logits, w, out=dx[rows])
+            if dw is not None:
+                _accumulate(dw, logits.t(), x2d[rows])
+        return dx, (None if dw is None else dw.to(weight.dtype)), None, None, None, None
+
+
+def linear_cross_entropy(input, linear_weight, target, *, ignore_index: int = -100, reduction: str = "mean",
+                         chunk_size: int | None = None):
+    """``cross_entropy(linear(input, linear_weight), target)`` without materialising the logits.
+
+    Mirrors ``torch.nn.functional.linear_cross_entropy`` (PyTorch ≥ 2.13): ``input`` [..., H],
+    ``linear_weight`` [V, H], ``target`` [...] (int64 class indices). Log-sum-exp and softmax in
+    fp32; gradients for ``input`` and ``linear_weight`` (skipped when it does not require grad,
+    the usual LoRA case). ``chunk_size`` (rows of logits held at once) defaults to what
+    ``CHUNK_BYTES`` allows. A batch whose targets are all ignored gives loss 0 and zero gradients.
+    """
+    check_float_tensor("input", input)
+    check_float_tensor("linear_weight", linear_weight)
+    if not isinstance(target, torch.Tensor) or target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"target: expected an int64 tensor of class indices, got "
+                        f"{getattr(target, 'dtype', type(target).__name__)}")
+    if input.dim() == 0 or linear_weight.dim() != 2 or linear_weight.shape[1] != input.shape[-1]:
+        raise ValueError(f"linear_weight: expected [vocab, {input.shape[-1] if input.dim() else '?'}] "
+                         f"(hidden = last dimension of input), got {tuple(linear_weight.shape)}")
+    if tuple(target.shape) != tuple(input.shape[:-1]):
+        raise ValueError(f"target: expected shape {tuple(input.shape[:-1])} (input without its last "
+                         f"dimension), got {tuple(target.shape)}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
+    check_same_device(input=input, linear_weight=linear_weight, target=target)
+    vocab = linear_weight.shape[0]
+    flat_target = target.reshape(-1).to(torch.int64)
+    bad = (flat_target != ignore_index) & ((flat_target < 0) | (flat_target >= vocab))
+    if bool(bad.any()):
+        raise ValueError(f"target: class indices must be in [0, {vocab}) or ignore_index={ignore_index}, "
+                         f"got {flat_target[bad][0].item()}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
+    dtype = _compute_dtype(input)
+    x2d = input.reshape(-1, input.shape[-1]).to(dtype).contiguous()
+    chunk = chunk_size or default_chunk_size(x2d.shape[0], vocab, dtype)
+    with torch.autocast(device_type=input.device.type, enabled=False):
+        loss = LinearCrossEntropyFunction.apply(x2d, linear_weight, flat_target.contiguous(), int(ignore_index),
+                                                reduction, int(chunk))
+    return loss.reshape(target.shape) if reduction == "none" else loss

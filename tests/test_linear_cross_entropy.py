@@ -1,0 +1,103 @@
+"""linear_cross_entropy against cross_entropy(linear(...)), by the DESIGN.md rule."""
+
+import pytest
+import torch
+
+import q35lab
+from q35lab.numerics import assert_close_by_rule
+from q35lab.ops.linear_cross_entropy import default_chunk_size, linear_cross_entropy, linear_cross_entropy_ref
+from q35lab.runtime import device
+
+
+def _check(shape, vocab, dtype, reduction, chunk_size, ignored=0.2, logit_scale=1.0, head_grad=True, relative_atol=False):
+    hidden = shape[-1]
+    x = (torch.randn(shape, device=device()) * logit_scale).to(dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, device=device()) / hidden**0.5).to(dtype).requires_grad_(head_grad)
+    target = torch.randint(0, vocab, shape[:-1], device=device())
+    target[torch.rand(shape[:-1], device=device()) < ignored] = -100
+    target.view(-1)[0] = 0  # at least one counted token (all ignored: its own test; the reference gives NaN)
+    g = torch.randn(shape[:-1], device=device()) if reduction == "none" else torch.tensor(0.75, device=device())
+    wanted = [x, w] if head_grad else [x]
+
+    def run(fn, x, w):
+        loss = fn(x, w, target, reduction=reduction, **({"chunk_size": chunk_size} if fn is linear_cross_entropy else {}))
+        return (loss, *torch.autograd.grad(loss, [x, w] if head_grad else [x], g.to(loss.dtype)))
+
+    out = run(linear_cross_entropy, x, w)
+    ref = run(linear_cross_entropy_ref, x, w)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_(head_grad)
+    ref64 = run(linear_cross_entropy_ref, x64, w64)
+    assert out[0].shape == ref[0].shape and torch.isfinite(out[0]).all()
+    for name, a, b, c in zip(["loss", "dx", "dW"], out, ref, ref64):
+        # logits of hundreds: rounding is relative, so the absolute slack scales with the values
+        atol = 4 * torch.finfo(dtype).eps * c.abs().max().item() if relative_atol else None
+        assert_close_by_rule(name, a.to(b.dtype), b, c, atol)
+    return out
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,vocab,chunk", [((2, 7, 32), 101, 4), ((1, 48), 257, None), ((13, 16), 8200, 5)],
+                         ids=["batch-several-chunks", "one-token", "vocab-over-one-block"])
+def test_loss_and_gradients_match_the_reference(shape, vocab, chunk, dtype, reduction):
+    _check(shape, vocab, dtype, reduction, chunk)
+
+
+def test_large_logits_stay_finite():
+    _check((9, 32), 300, torch.float32, "mean", 4, logit_scale=300.0, relative_atol=True)
+    _check((9, 32), 300, torch.bfloat16, "sum", 4, logit_scale=300.0, relative_atol=True)
+
+
+def test_frozen_head_gets_no_gradient():
+    x = torch.randn(6, 16, device=device(), requires_grad=True)
+    w = torch.randn(40, 16, device=device())
+    target = torch.randint(0, 40, (6,), device=device())
+    linear_cross_entropy(x, w, target, chunk_size=2).backward()
+    assert w.grad is None and x.grad is not None
+    _check((6, 16), 40, torch.bfloat16, "mean", 2, head_grad=False)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_every_target_ignored_gives_zero_not_nan(reduction):
+    x = torch.randn(5, 16, device=device(), requires_grad=True)
+    w = torch.randn(30, 16, device=device(), requires_grad=True)
+    target = torch.full((5,), -100, device=device())
+    loss = linear_cross_entropy(x, w, target, reduction=reduction)
+    loss.sum().backward()
+    assert torch.all(loss == 0) and torch.all(x.grad == 0) and torch.all(w.grad == 0)
+
+
+def test_chunk_size_comes_from_memory_and_results_do_not_depend_on_it():
+    assert default_chunk_size(100_000, 248_320, torch.bfloat16) == 512  # 242 MiB of bf16 logits
+    assert default_chunk_size(3, 248_320, torch.bfloat16) == 3
+    x = torch.randn(11, 16, device=device())
+    w = torch.randn(50, 16, device=device())
+    target = torch.randint(0, 50, (11,), device=device())
+    losses = [linear_cross_entropy(x, w, target, chunk_size=c) for c in (1, 3, 11, 64)]
+    for loss in losses[1:]:
+        torch.testing.assert_close(loss, losses[0], rtol=1e-6, atol=1e-6)
+
+
+def test_public_name():
+    assert q35lab.linear_cross_entropy is linear_cross_entropy
+
+
+@pytest.mark.parametrize(
+    "target,kwargs,error,message",
+    [
+        (torch.tensor([0, 1, 50]), {}, ValueError, r"target: class indices must be in \[0, 50\)"),
+        (torch.tensor([0, -5, 1]), {}, ValueError, "target: class indices"),
+        (torch.tensor([0, 1]), {}, ValueError, "target: expected shape"),
+        (torch.tensor([0.0, 1.0, 2.0]), {}, TypeError, "target: expected an int64"),
+        (torch.tensor([0, 1, 2]), {"reduction": "avg"}, ValueError, "reduction: expected"),
+        (torch.tensor([0, 1, 2]), {"chunk_size": 0}, ValueError, "chunk_size: expected"),
+    ],
+)
+def test_bad_input_raises_naming_the_argument(target, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        linear_cross_entropy(torch.randn(3, 16), torch.randn(50, 16), target, **kwargs)
+
+
+def test_mismatched_head_raises():
+    with pytest.raises(ValueError, match="linear_weight: expected"):
+        linear_cross_entropy(torch.randn(3, 16), torch.randn(50, 17), torch.tensor([0, 1, 2]))
