@@ -14,6 +14,7 @@ import torch
 
 from .ops.gated_rms_norm import GatedRMSNorm
 from .ops.fused_projections import ConcatCache, Projection, fused_lora_projections
+from .ops.linear_cross_entropy import linear_cross_entropy
 from .ops.lora import lora_linear
 from .ops.offset_rms_norm import OffsetRMSNorm
 
@@ -26,14 +27,10 @@ OFFSET_RMS_NORM_CLASSES = ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")
 #: transformers' gated norms after each GatedDeltaNet: w · bf16(x̂), rounded three times ("hf").
 HF_GATED_NORM_CLASSES = ("Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated")
 
-#: Optimizations whose issues have not landed yet: the flag is accepted, nothing is done.
-_NOT_YET = {
-    "flce": "not implemented yet (fused linear cross entropy, issue 6)",
-}
-
 _ORIGINAL = "_q35lab_original"  # attribute of a patched module: the module it replaced
 _LORA_PATCHED = "_q35lab_lora"  # attribute of a PEFT LoRA layer whose forward q35lab routes
 _IN_PROJ = "_q35lab_in_proj"  # attribute of a GatedDeltaNet projection computed by its group
+_FLCE = "_q35lab_flce"  # attribute of a causal LM whose loss goes through linear_cross_entropy
 
 
 @dataclass
@@ -69,6 +66,15 @@ class PatchReport:
         for flag, why in self.not_applied.items():
             lines.append(f"{flag}: {why}")
         return "PatchReport(\n  " + "\n  ".join(lines) + "\n)"
+
+
+def _marked(module: torch.nn.Module, marker: str):
+    """The value q35lab stored on this very module under ``marker`` (None if absent).
+
+    Read from the module's own ``__dict__``: wrappers such as PeftModel forward attribute
+    look-ups to the model inside, so ``hasattr`` would see the inner model's mark.
+    """
+    return vars(module).get(marker)
 
 
 def _named_children_everywhere(model: torch.nn.Module):
@@ -159,7 +165,7 @@ def _routed_forward(layer: torch.nn.Module):
 
 
 def _route_lora(layer: torch.nn.Module, report: "PatchReport") -> None:
-    if hasattr(layer, _LORA_PATCHED):
+    if _marked(layer, _LORA_PATCHED) is not None:
         report.already_patched += 1
         return
     problem = _lora_static_problem(layer)
@@ -172,7 +178,7 @@ def _route_lora(layer: torch.nn.Module, report: "PatchReport") -> None:
 
 
 def _unroute_lora(layer: torch.nn.Module, report: "PatchReport") -> None:
-    if hasattr(layer, _LORA_PATCHED):
+    if _marked(layer, _LORA_PATCHED) is not None:
         del layer.forward
         object.__delattr__(layer, _LORA_PATCHED)
         report.reverted["PEFT lora.Linear (forward)"] += 1
@@ -252,7 +258,7 @@ class _InProjGroup:
 
 def _fuse_in_proj(gdn: torch.nn.Module, report: "PatchReport") -> None:
     modules = [getattr(gdn, name) for name in IN_PROJ_NAMES]
-    if any(hasattr(m, _IN_PROJ) for m in modules):
+    if any(_marked(m, _IN_PROJ) is not None for m in modules):
         report.already_patched += 1
         return
     problems = [p for p in map(_projection_problem, modules) if p]
@@ -261,7 +267,7 @@ def _fuse_in_proj(gdn: torch.nn.Module, report: "PatchReport") -> None:
         return
     group = _InProjGroup(modules)
     for index, module in enumerate(modules):
-        if hasattr(module, _LORA_PATCHED):  # routed by lora=True earlier: the group takes over
+        if _marked(module, _LORA_PATCHED) is not None:  # routed by lora=True earlier: the group takes over
             _unroute_lora(module, PatchReport())
         module.forward = (lambda i: lambda x, *a, **k: group.output(i, x, a, k))(index)
         object.__setattr__(module, _IN_PROJ, group)
@@ -269,12 +275,97 @@ def _fuse_in_proj(gdn: torch.nn.Module, report: "PatchReport") -> None:
 
 
 def _unfuse_in_proj(module: torch.nn.Module, report: "PatchReport") -> None:
-    group = getattr(module, _IN_PROJ, None)
+    group = _marked(module, _IN_PROJ)
     if group is not None:
         del module.forward
         object.__delattr__(module, _IN_PROJ)
         if module is group.modules[0]:
             report.reverted["GatedDeltaNet in_proj"] += 1
+
+
+# ----------------------------------------------------------------------------------------------
+# The loss: with labels, the causal LM's forward runs with its lm_head swapped for an identity
+# (its "logits" are then the hidden states, and nothing vocabulary-sized is made), and the loss
+# is computed by linear_cross_entropy from the hidden states and lm_head's weight, with the
+# model's own loss semantics (shifted labels, ignore_index, num_items_in_batch). Logits are not
+# returned then. Without labels the forward is the model's own.
+# ----------------------------------------------------------------------------------------------
+FLCE_CLASSES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+                "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+
+
+class _HiddenStates(torch.nn.Module):
+    def forward(self, hidden_states):
+        return hidden_states
+
+
+def causal_lm_loss(hidden_states, head_weight, labels, *, num_items_in_batch=None, ignore_index=-100,
+                   shift_labels=None):
+    """transformers' ForCausalLMLoss over ``hidden_states @ head_weightᵀ``, without the logits."""
+    if shift_labels is None:
+        labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:]
+    shift_labels = shift_labels.to(hidden_states.device)
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = linear_cross_entropy(hidden_states, head_weight, shift_labels, ignore_index=ignore_index,
+                                reduction=reduction)
+    if reduction == "sum":
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
+
+
+def _flce_problem(model: torch.nn.Module) -> str | None:
+    head = getattr(model, "lm_head", None)
+    if type(head) is not torch.nn.Linear:
+        return f"lm_head is {type(head).__name__} (a LoRA or quantized head keeps the model's loss)"
+    if head.bias is not None:
+        return "lm_head has a bias"
+    return None
+
+
+def _flce_forward(model: torch.nn.Module):
+    own_forward = type(model).forward
+
+    def forward(*args, **kwargs):
+        labels = kwargs.pop("labels", None)
+        if labels is None or kwargs.get("return_dict") is False or len(args) > 1 or _flce_problem(model):
+            return own_forward(model, *args, labels=labels, **kwargs)  # the model's own path
+        head = model.lm_head
+        model.lm_head = _HiddenStates()
+        try:
+            out = own_forward(model, *args, **kwargs)  # "logits" = hidden states
+        finally:
+            model.lm_head = head
+        out.loss = causal_lm_loss(out.logits, head.weight, labels,
+                                  num_items_in_batch=kwargs.get("num_items_in_batch"),
+                                  ignore_index=kwargs.get("ignore_index", -100),
+                                  shift_labels=kwargs.get("shift_labels"))
+        out.logits = None
+        return out
+
+    return forward
+
+
+def _patch_loss(model: torch.nn.Module, report: "PatchReport") -> None:
+    if _marked(model, _FLCE) is not None:
+        report.already_patched += 1
+        return
+    problem = _flce_problem(model)
+    if problem:
+        report.left_alone[f"{type(model).__name__} loss: {problem}"] += 1
+        return
+    model.forward = _flce_forward(model)
+    object.__setattr__(model, _FLCE, True)
+    report.replaced[f"{type(model).__name__} loss (fused linear cross entropy)"] += 1
+
+
+def _unpatch_loss(model: torch.nn.Module, report: "PatchReport") -> None:
+    if _marked(model, _FLCE) is not None:
+        del model.forward
+        object.__delattr__(model, _FLCE)
+        report.reverted[f"{type(model).__name__} loss"] += 1
 
 
 def _replacement_rule(module: torch.nn.Module):
@@ -312,24 +403,23 @@ def apply_to_qwen3_5(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    enabled = {"rms_norm": rms_norm, "gated_norm": gated_norm, "lora": lora, "in_proj": in_proj}
+    enabled = {"rms_norm": rms_norm, "gated_norm": gated_norm, "lora": lora, "in_proj": in_proj, "flce": flce}
     report = PatchReport()
-    for flag, wanted in (("flce", flce),):
-        if wanted:
-            report.not_applied[flag] = _NOT_YET[flag]
     for flag, wanted in enabled.items():
         if not wanted:
             report.not_applied[flag] = "disabled by the caller"
-    if in_proj:
-        for module in model.modules():
-            if _is_gated_delta_net(module):
-                _fuse_in_proj(module, report)
+    for module in model.modules():
+        cls = type(module)
+        if in_proj and _is_gated_delta_net(module):
+            _fuse_in_proj(module, report)
+        if flce and cls.__name__ in FLCE_CLASSES and cls.__module__.startswith("transformers."):
+            _patch_loss(module, report)
     for parent, name, child in _named_children_everywhere(model):
-        if hasattr(child, _ORIGINAL):
+        if _marked(child, _ORIGINAL) is not None:
             report.already_patched += 1
             continue
         if _is_peft_lora_linear(child):
-            if lora and not hasattr(child, _IN_PROJ):
+            if lora and not _marked(child, _IN_PROJ) is not None:
                 _route_lora(child, report)
             continue
         rule = _replacement_rule(child)
@@ -349,10 +439,12 @@ def revert(model: torch.nn.Module) -> PatchReport:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     report = PatchReport()
+    for module in model.modules():
+        _unpatch_loss(module, report)
     for parent, name, child in _named_children_everywhere(model):
         _unroute_lora(child, report)
         _unfuse_in_proj(child, report)
-        original = getattr(child, _ORIGINAL, None)
+        original = _marked(child, _ORIGINAL)
         if original is not None:
             original.weight = child.weight  # keep any Parameter swap made while patched
             original.train(child.training)

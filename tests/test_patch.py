@@ -42,7 +42,7 @@ def test_same_logits_loss_and_gradients_patched_unpatched_reverted(build, norm_c
     n_norms = sum(type(m).__name__ == norm_class for m in model.modules())
     n_gated = sum(type(m).__name__ == gated_class for m in model.modules())
 
-    report = q35lab.apply_to_qwen3_5(model)
+    report = q35lab.apply_to_qwen3_5(model, flce=False)  # logits are compared: keep them
     # 2 layers × 2, q/k norm of the attention layer, final norm; one gated norm per GatedDeltaNet
     assert report.replaced == {norm_class: 7, gated_class: 1} and (n_norms, n_gated) == (7, 1)
     assert not any(type(m).__name__ in (norm_class, gated_class) for m in model.modules())
@@ -82,7 +82,8 @@ def test_multimodal_model_is_patched():
     model = multimodal()
     n_norms = sum(type(m).__name__ == "Qwen3_5RMSNorm" for m in model.modules())
     report = q35lab.apply_to_qwen3_5(model)
-    assert report.replaced == {"Qwen3_5RMSNorm": n_norms, "Qwen3_5RMSNormGated": 1} and n_norms >= 7
+    assert report.replaced == {"Qwen3_5RMSNorm": n_norms, "Qwen3_5RMSNormGated": 1,
+                               "Qwen3_5ForConditionalGeneration loss (fused linear cross entropy)": 1} and n_norms >= 7
     ids = torch.randint(0, 100, (1, 6), device=device())
     assert torch.isfinite(model(input_ids=ids).logits).all()
 
@@ -91,7 +92,7 @@ def test_patching_twice_is_harmless_and_reported():
     model = causal_lm()
     first = q35lab.apply_to_qwen3_5(model)
     second = q35lab.apply_to_qwen3_5(model)
-    assert first.total == 8 and second.total == 0 and second.already_patched == 8
+    assert first.total == 9 and second.total == 0 and second.already_patched == 9  # 7 + 1 + the loss
     assert "already patched" in str(second)
     q35lab.revert(model)
     assert q35lab.revert(model).reverted == {}
@@ -104,12 +105,12 @@ def test_model_with_nothing_to_patch():
 
 def test_flags_of_later_optimizations_are_reported_not_applied():
     report = q35lab.apply_to_qwen3_5(causal_lm(), gated_norm=True, lora=True, in_proj=True, flce=True)
-    assert set(report.not_applied) == {"flce"}
-    assert all("not implemented yet" in why for why in report.not_applied.values())
+    assert report.not_applied == {}
     off = q35lab.apply_to_qwen3_5(causal_lm(), rms_norm=False, gated_norm=False, lora=False, in_proj=False, flce=False)
     assert off.total == 0
-    assert off.not_applied == {flag: "disabled by the caller" for flag in ("rms_norm", "gated_norm", "lora", "in_proj")}
-    only_gated = q35lab.apply_to_qwen3_5(causal_lm(), rms_norm=False)
+    assert off.not_applied == {flag: "disabled by the caller"
+                               for flag in ("rms_norm", "gated_norm", "lora", "in_proj", "flce")}
+    only_gated = q35lab.apply_to_qwen3_5(causal_lm(), rms_norm=False, flce=False)
     assert only_gated.replaced == {"Qwen3_5RMSNormGated": 1}
 
 
@@ -127,7 +128,7 @@ def test_peft_wrapped_model():
     before = _loss_and_grads(peft_model, ids)
     assert all(not p.requires_grad for n, p in peft_model.named_parameters() if "norm" in n)
 
-    report = q35lab.apply_to_qwen3_5(peft_model)
+    report = q35lab.apply_to_qwen3_5(peft_model, flce=False)  # logits are compared: keep them
     # q_proj, v_proj, out_proj routed; the GatedDeltaNet's four (frozen, no adapter) in_proj fused
     patched = {"Qwen3_5RMSNorm": 7, "Qwen3_5RMSNormGated": 1, "PEFT lora.Linear (forward)": 3,
                "Qwen3_5GatedDeltaNet in_proj (4 projections, 1 node)": 1}
@@ -191,7 +192,7 @@ def test_patch_reaches_the_gated_norm_the_forward_calls(monkeypatch, norm_source
             gdn.norm = stand_in
     ids = torch.randint(0, 128, (2, 9), device=device())
     before = _loss_and_grads(model, ids)
-    report = q35lab.apply_to_qwen3_5(model, rms_norm=False)
+    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, flce=False)
     expected_class = "FusedRMSNormGated" if norm_source == "fla" else "Qwen3_5RMSNormGated"
     assert report.replaced == {expected_class: 1}
     assert all(isinstance(g.norm, GatedRMSNorm) for g in gdns)
@@ -205,7 +206,7 @@ def test_fla_norm_with_another_activation_is_left_alone():
     model = causal_lm()
     gdn = _gdn_layers(model)[0]
     gdn.norm = _FlaStandIn(gdn.norm.weight.shape[0], activation="sigmoid").to(device())
-    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, in_proj=False)
+    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, in_proj=False, flce=False)
     assert report.replaced == {} and sum(report.left_alone.values()) == 1
     assert "sigmoid" in str(report)
 
@@ -215,7 +216,7 @@ def test_a_same_named_class_from_elsewhere_is_not_mistaken_for_fla():
     gdn = _gdn_layers(model)[0]
     other = type("FusedRMSNormGated", (_FlaStandIn,), {"__module__": "axolotl.kernels.rms_norm_gated"})
     gdn.norm = other(gdn.norm.weight.shape[0]).to(device())
-    assert q35lab.apply_to_qwen3_5(model, rms_norm=False).replaced == {}
+    assert q35lab.apply_to_qwen3_5(model, rms_norm=False, flce=False).replaced == {}
 
 
 def test_real_fla_norm_is_patched():
@@ -223,5 +224,66 @@ def test_real_fla_norm_is_patched():
     model = causal_lm()
     gdn = _gdn_layers(model)[0]
     gdn.norm = fla_norm(gdn.norm.weight.shape[0], eps=1e-6, activation="silu").to(device())
-    report = q35lab.apply_to_qwen3_5(model, rms_norm=False)
+    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, flce=False)
     assert report.replaced == {"FusedRMSNormGated": 1} and gdn.norm.rounding == "fused"
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss through linear_cross_entropy.
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("build", [causal_lm, moe_causal_lm])
+def test_loss_without_logits_same_loss_and_gradients(build):
+    model = build()
+    ids = torch.randint(0, 128, (2, 11), device=device())
+    labels = ids.clone()
+    labels[0, :3] = -100
+    reference = _loss_and_grads_with(model, ids, labels)
+    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, gated_norm=False, lora=False, in_proj=False)
+    assert report.replaced == {f"{type(model).__name__} loss (fused linear cross entropy)": 1}
+    ours = _loss_and_grads_with(model, ids, labels)
+    torch.testing.assert_close(ours[0], reference[0], rtol=1e-5, atol=1e-6)
+    for name in reference[1]:
+        torch.testing.assert_close(ours[1][name], reference[1][name], rtol=1e-4, atol=1e-6, msg=name)
+    out = model(input_ids=ids, labels=labels)
+    assert out.logits is None  # documented: with labels, no logits are made
+    assert model(input_ids=ids).logits.shape == (2, 11, 128)  # without labels: the model's own forward
+    # gradient accumulation: num_items_in_batch turns the mean into sum / n, as transformers does
+    n = torch.tensor(37)
+    loss_n = model(input_ids=ids, labels=labels, num_items_in_batch=n).loss
+    q35lab.revert(model)
+    torch.testing.assert_close(loss_n, model(input_ids=ids, labels=labels, num_items_in_batch=n).loss,
+                               rtol=1e-5, atol=1e-6)
+
+
+def _loss_and_grads_with(model, ids, labels):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_loss_of_a_peft_model_goes_through_the_fused_loss(monkeypatch):
+    peft = pytest.importorskip("peft")
+    from q35lab.ops.linear_cross_entropy import LinearCrossEntropyFunction
+
+    model = peft.get_peft_model(causal_lm(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "out_proj"]))
+    ids = torch.randint(0, 128, (2, 9), device=device())
+    reference = _loss_and_grads_with(model, ids, ids)
+    q35lab.apply_to_qwen3_5(model)
+    calls = []
+    original = LinearCrossEntropyFunction.forward
+    monkeypatch.setattr(LinearCrossEntropyFunction, "forward",
+                        staticmethod(lambda ctx, *a: calls.append(1) or original(ctx, *a)))
+    ours = _loss_and_grads_with(model, ids, ids)
+    assert len(calls) == 1
+    torch.testing.assert_close(ours[0], reference[0], rtol=1e-5, atol=1e-6)
+    for name in reference[1]:
+        torch.testing.assert_close(ours[1][name], reference[1][name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_a_lora_head_keeps_the_models_loss():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(causal_lm(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["lm_head"]))
+    report = q35lab.apply_to_qwen3_5(model)
+    assert not any("loss (fused" in k for k in report.replaced)
+    assert any("lm_head is" in k for k in report.left_alone)
