@@ -125,3 +125,21 @@ def test_every_gemm_implementation_runs_every_variant_on_a_cpu(op):
 def test_figure_names():
     assert plots.figure_name("lora", "", "nvidia-h200") == "lora_nvidia-h200.png"
     assert plots.figure_name("lora", "autocast+checkpoint", "nvidia-h200") == "lora-autocast-checkpoint_nvidia-h200.png"
+
+
+def test_linear_cross_entropy_setups_run_on_a_cpu():
+    """The loss sweep's setups (every installed implementation, both head variants), small vocabulary."""
+    from q35lab.bench import linear_cross_entropy as lce
+
+    spec = bench.discover()["linear_cross_entropy"]
+    data = lce.make_inputs(6, torch.device("cpu"), vocab=300)
+    losses = {}
+    for impl, (make, needs) in spec.impls.items():
+        if bench._missing(needs) or impl in ("liger", "cut-cross-entropy"):  # GPU-only kernels
+            continue
+        for variant, options in spec.variants.items():
+            forward, grads, dy = make(data, **options)
+            loss = forward()
+            assert len(torch.autograd.grad(loss, grads, dy)) == (1 if options.get("frozen") else 2)
+            losses[impl] = loss.item()
+    assert losses["q35lab"] == pytest.approx(losses["transformers"], rel=1e-2)
