@@ -98,18 +98,18 @@ def test_an_optimizer_step_between_two_forwards_is_seen():
     ps = _projections()
     cache = ConcatCache()
     x = torch.randn(4, K, device=device())
-    opt = torch.optim.SGD(_adapters(ps), lr=1.0)
+    opt = torch.optim.SGD(_adapters(ps), lr=0.1)
     first = fused_lora_projections(x, ps, cache=cache)
     sum(o.sum() for o in first).backward()
     opt.step()
     second, expected = fused_lora_projections(x, ps, cache=cache), fused_lora_projections_ref(x, ps)
     for o, r, f in zip(second, expected, first):
-        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
-        assert not torch.allclose(o, f)
+        torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-4)  # fp32, different summation order
+        assert (o - f).abs().max() > 1e-2  # the step moved every output
     with torch.no_grad():  # an in-place change of a frozen base weight (e.g. a merge) rebuilds the cache
         ps[1].weight.add_(1.0)
     third = fused_lora_projections(x, ps, cache=cache)
-    torch.testing.assert_close(third[1], fused_lora_projections_ref(x, ps)[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(third[1], fused_lora_projections_ref(x, ps)[1], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ def test_partial_sums_are_reduced_exactly_once(n_partials, n_cols):
         out = sum_partials(partial, dtype)
         assert out.dtype == dtype
         exact = partial.double().sum(0)
-        tol = 1e-5 if dtype == torch.float32 else 2**-8  # bf16: the fp32 sum may round to the neighbour
+        # fp32: up to 600 additions in another order; bf16: the fp32 sum may round to the neighbour
+        tol = 1e-4 if dtype == torch.float32 else 2**-8
         torch.testing.assert_close(out.double(), exact, rtol=tol, atol=1e-5)
         assert torch.equal(out, sum_partials(partial, dtype))  # deterministic
