@@ -77,6 +77,27 @@ def _marked(module: torch.nn.Module, marker: str):
     return vars(module).get(marker)
 
 
+def _override_forward(module: torch.nn.Module, marker: str, make_forward, problem: str | None,
+                      label: str, report: "PatchReport") -> None:
+    """Give ``module`` an instance-level forward (nn.Module.__call__ uses it), unless it already
+    has one of ours or ``problem`` says it cannot be handled exactly; the report says which."""
+    if _marked(module, marker) is not None:
+        report.already_patched += 1
+    elif problem:
+        report.left_alone[f"{label}: {problem}"] += 1
+    else:
+        module.forward = make_forward(module)
+        object.__setattr__(module, marker, True)
+        report.replaced[label] += 1
+
+
+def _restore_forward(module: torch.nn.Module, marker: str, label: str, report: "PatchReport") -> None:
+    if _marked(module, marker) is not None:
+        del module.forward
+        object.__delattr__(module, marker)
+        report.reverted[label] += 1
+
+
 def _named_children_everywhere(model: torch.nn.Module):
     """Yield (parent, attribute name, child) for every submodule, parents first."""
     for parent in model.modules():
@@ -165,23 +186,12 @@ def _routed_forward(layer: torch.nn.Module):
 
 
 def _route_lora(layer: torch.nn.Module, report: "PatchReport") -> None:
-    if _marked(layer, _LORA_PATCHED) is not None:
-        report.already_patched += 1
-        return
-    problem = _lora_static_problem(layer)
-    if problem is not None:
-        report.left_alone[f"PEFT lora.Linear: {problem}"] += 1
-        return
-    layer.forward = _routed_forward(layer)  # instance attribute: nn.Module.__call__ uses it
-    object.__setattr__(layer, _LORA_PATCHED, True)
-    report.replaced["PEFT lora.Linear (forward)"] += 1
+    _override_forward(layer, _LORA_PATCHED, _routed_forward, _lora_static_problem(layer),
+                      "PEFT lora.Linear (forward)", report)
 
 
 def _unroute_lora(layer: torch.nn.Module, report: "PatchReport") -> None:
-    if _marked(layer, _LORA_PATCHED) is not None:
-        del layer.forward
-        object.__delattr__(layer, _LORA_PATCHED)
-        report.reverted["PEFT lora.Linear (forward)"] += 1
+    _restore_forward(layer, _LORA_PATCHED, "PEFT lora.Linear (forward)", report)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -349,23 +359,14 @@ def _flce_forward(model: torch.nn.Module):
 
 
 def _patch_loss(model: torch.nn.Module, report: "PatchReport") -> None:
-    if _marked(model, _FLCE) is not None:
-        report.already_patched += 1
-        return
+    name = type(model).__name__
     problem = _flce_problem(model)
-    if problem:
-        report.left_alone[f"{type(model).__name__} loss: {problem}"] += 1
-        return
-    model.forward = _flce_forward(model)
-    object.__setattr__(model, _FLCE, True)
-    report.replaced[f"{type(model).__name__} loss (fused linear cross entropy)"] += 1
+    label = f"{name} loss" if problem else f"{name} loss (fused linear cross entropy)"
+    _override_forward(model, _FLCE, _flce_forward, problem, label, report)
 
 
 def _unpatch_loss(model: torch.nn.Module, report: "PatchReport") -> None:
-    if _marked(model, _FLCE) is not None:
-        del model.forward
-        object.__delattr__(model, _FLCE)
-        report.reverted[f"{type(model).__name__} loss"] += 1
+    _restore_forward(model, _FLCE, f"{type(model).__name__} loss", report)
 
 
 def _replacement_rule(module: torch.nn.Module):

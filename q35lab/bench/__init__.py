@@ -1,4 +1,4 @@
-"""The benchmark harness: ``run`` sweeps ops on a GPU, ``smoke`` checks them on a CPU.
+"""The benchmark harness: ``run`` sweeps ops on a GPU, ``check`` applies the numerics rule anywhere.
 
 Each op lives in its own file here and exposes ``BENCH`` (a ``spec.OpBench``); ops are found by
 listing this package, so adding an op touches neither this file nor ``core``.
@@ -18,7 +18,7 @@ from .. import runtime
 from . import core
 from .spec import OpBench
 
-__all__ = ["discover", "run", "check", "smoke", "DATA"]
+__all__ = ["discover", "run", "check", "DATA"]
 
 #: data/ at the root of the checkout: data/bench/<gpu>/<op>.csv, data/figures/.
 DATA = Path(__file__).resolve().parents[2] / "data"
@@ -104,7 +104,7 @@ def _measure_impl(bench: OpBench, impl_name: str, T: int, ceilings: core.Ceiling
 def run(ops=None, *, quick: bool = False, out: Path | None = None, progress: bool = True) -> dict[str, Path]:
     """Sweep ``ops`` on this GPU and write ``<out>/bench/<gpu>/<op>.csv``; returns the paths."""
     if runtime.smoke():
-        raise RuntimeError("bench.run measures speed and needs a CUDA GPU; on a CPU use bench.smoke()")
+        raise RuntimeError("bench.run measures speed and needs a CUDA GPU; on a CPU, bench.check() checks correctness")
     from tqdm.auto import tqdm
 
     _configure_compile()
@@ -134,13 +134,3 @@ def check(ops=None, *, sizes: list[int] | None = None, dtypes=(torch.bfloat16, t
                 for row in bench.check(T, runtime.device(), dtype):
                     rows.append({"op": bench.name, "T": T, "dtype": str(dtype).removeprefix("torch."), **row})
     return rows
-
-
-def smoke(ops=None) -> bool:
-    """Correctness through the interpreter at tiny sizes; prints a table, True if all pass."""
-    rows = check(ops)
-    for r in rows:
-        mark = "ok" if r["ok"] else "FAIL"
-        print(f"{r['op']:<18} T={r['T']:<4} {r['dtype']:<9} {r['tensor']:<3} "
-              f"err {r['kernel_err']:.2e} <= bound {r['bound']:.2e}  {mark}")
-    return all(r["ok"] for r in rows)

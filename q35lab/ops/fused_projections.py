@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ._checks import check_float_tensor
-from .lora import _compute_dtype, _dropped
+from .lora import _compute_dtype, _dropped, dropout_mask
 
 __all__ = ["Projection", "ConcatCache", "fused_lora_projections", "fused_lora_projections_ref"]
 
@@ -137,7 +137,9 @@ class FusedLoRAProjectionsFunction(torch.autograd.Function):
             for (i, s, dropout, seed), a, b, xa_i, dxa_i in zip(lora_meta, A_list, B_list, xa_list, dxa_list):
                 if not shared_input:
                     lora_dx = dxa_i @ a.to(dtype)
-                    dx += lora_dx * (_dropped(torch.ones_like(lora_dx), dropout, seed)) if dropout else lora_dx
+                    if dropout:  # the forward's mask for this projection, regenerated
+                        lora_dx = lora_dx * dropout_mask(lora_dx, dropout, seed) / (1.0 - dropout)
+                    dx += lora_dx
                 dA = (dxa_i.t() @ _dropped(x2d, dropout, seed)).to(a.dtype)
                 dB = (dy[:, offsets[i]:offsets[i + 1]].t() @ xa_i).to(b.dtype) * s
                 adapter_grads += [dA, dB]
