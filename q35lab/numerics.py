@@ -93,6 +93,12 @@ def agreement(out: torch.Tensor, hf: torch.Tensor) -> dict[str, float]:
     }
 
 
+def with_grads(outputs, wanted, grad_outputs) -> tuple:
+    """``outputs`` (a tensor or a sequence) followed by their gradients with respect to ``wanted``."""
+    outs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
+    return (*outs, *torch.autograd.grad(outs, wanted, grad_outputs))
+
+
 def rule_rows(impl: str, names, outs, refs, refs64) -> list[dict]:
     """``compare`` for each named tensor, as rows for a numerics CSV (``out`` cast to ``ref``'s dtype)."""
     rows = []

@@ -31,6 +31,15 @@ def _adapters(ps):
     return [t for p in ps if p.has_adapter for t in (p.lora_A, p.lora_B)]
 
 
+def _assert_same_outputs_and_gradients(outs, refs, x, ps):
+    dys = [torch.randn_like(o) for o in outs]
+    wanted = [x, *_adapters(ps)]
+    for o, r in zip(outs, refs):
+        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
+    for ours, theirs in zip(torch.autograd.grad(outs, wanted, dys), torch.autograd.grad(refs, wanted, dys)):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("with_adapter", [(True,) * 4, (True, False, True, False), (False,) * 4, (False, False, False, True)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_outputs_and_every_gradient_match_the_unfused_computation(with_adapter, bias):
@@ -38,12 +47,7 @@ def test_outputs_and_every_gradient_match_the_unfused_computation(with_adapter, 
     x = torch.randn(2, 7, K, device=device(), requires_grad=True)
     outs, refs = fused_lora_projections(x, ps), fused_lora_projections_ref(x, ps)
     assert [o.shape[-1] for o in outs] == list(OUT)
-    dys = [torch.randn_like(o) for o in outs]
-    wanted = [x, *_adapters(ps)]
-    for o, r in zip(outs, refs):
-        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
-    for ours, theirs in zip(torch.autograd.grad(outs, wanted, dys), torch.autograd.grad(refs, wanted, dys)):
-        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+    _assert_same_outputs_and_gradients(outs, refs, x, ps)
 
 
 def test_unused_outputs_get_no_gradient_and_cost_nothing_wrong():
@@ -66,12 +70,7 @@ def test_dropout_uses_one_mask_per_projection_like_peft():
     torch.manual_seed(7)
     seeds = [int(torch.randint(0, 2**62, (1,)).item()) for _ in ps]  # the draws it made, in order
     refs = fused_lora_projections_ref(x, ps, seeds)
-    dys = [torch.randn_like(o) for o in outs]
-    wanted = [x, *_adapters(ps)]
-    for o, r in zip(outs, refs):
-        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
-    for ours, theirs in zip(torch.autograd.grad(outs, wanted, dys), torch.autograd.grad(refs, wanted, dys)):
-        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+    _assert_same_outputs_and_gradients(outs, refs, x, ps)
 
 
 def test_bf16_activations_by_the_numerics_rule():

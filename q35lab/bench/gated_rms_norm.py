@@ -17,7 +17,7 @@ import importlib.util
 import torch
 
 from .. import shapes
-from ..numerics import agreement, rule_rows
+from ..numerics import agreement, rule_rows, with_grads
 from ..ops.gated_rms_norm import GatedRMSNorm, gated_rms_norm, gated_rms_norm_ref
 from .spec import OpBench, module_impl
 
@@ -81,14 +81,11 @@ def check(T: int, device, dtype=torch.bfloat16) -> list[dict]:
         x, g = data["x"].clone().requires_grad_(), data["gate"].clone().requires_grad_()
         w = data["w"].clone().requires_grad_()
 
-        def run(fn, x, g, w, dy):
-            y = fn(x, g, w, 1e-6, rounding)
-            return (y, *torch.autograd.grad(y, [x, g, w], dy))
-
-        out = run(gated_rms_norm, x, g, w, data["dy"])
-        ref = run(gated_rms_norm_ref, x, g, w, data["dy"])
+        dy = data["dy"]
+        out = with_grads(gated_rms_norm(x, g, w, 1e-6, rounding), [x, g, w], dy)
+        ref = with_grads(gated_rms_norm_ref(x, g, w, 1e-6, rounding), [x, g, w], dy)
         x64, g64, w64 = (t.detach().double().requires_grad_() for t in (x, g, w))
-        ref64 = run(gated_rms_norm_ref, x64, g64, w64, data["dy"].double())
+        ref64 = with_grads(gated_rms_norm_ref(x64, g64, w64, 1e-6, rounding), [x64, g64, w64], dy.double())
         rows += rule_rows(f"q35lab {rounding}", ("y", "dx", "dgate", "dw"), out, ref, ref64)
         peer = {"hf": (_hf_class, "transformers"), "fused": (_fla_class, "fla")}[rounding]
         available = importlib.util.find_spec(peer[1]) is not None and (rounding == "hf" or device.type == "cuda")

@@ -18,7 +18,7 @@ import contextlib
 import torch
 
 from .. import shapes
-from ..numerics import rule_rows
+from ..numerics import rule_rows, with_grads
 from ..ops.fused_projections import ConcatCache, Projection, fused_lora_projections, fused_lora_projections_ref
 from .spec import OpBench
 
@@ -116,9 +116,7 @@ def check(T: int, device, dtype=torch.bfloat16) -> list[dict]:
                            cast(data[f"B.{n}"]).clone().requires_grad_(), ALPHA / RANK) for n in OUT_FEATURES]
 
     def run(fn, x, ps, dys):
-        outs = fn(x, ps)
-        wanted = [x] + [t for p in ps for t in (p.lora_A, p.lora_B)]
-        return [*outs, *torch.autograd.grad(outs, wanted, dys)]
+        return with_grads(fn(x, ps), [x] + [t for p in ps for t in (p.lora_A, p.lora_B)], dys)
 
     x = data["x"].requires_grad_()
     same = projections(lambda t: t)

@@ -82,7 +82,7 @@ def _available(kind: str) -> bool:
 def check(T: int, device, dtype=torch.bfloat16) -> list[dict]:
     """Relative error of the loss and of dx against an fp32 reference (logits in fp32), for
     every implementation that runs here; ours also by the numerics rule (fp64)."""
-    from ..numerics import rule_rows
+    from ..numerics import rule_rows, with_grads
 
     vocab = VOCAB if device.type == "cuda" else 1000
     data = make_inputs(T, device, dtype, vocab)
@@ -103,14 +103,12 @@ def check(T: int, device, dtype=torch.bfloat16) -> list[dict]:
         rows.append({"impl": kind, "tensor": "dx", "rel_err": ((dx.float() - ref_dx).norm() / ref_dx.norm()).item(),
                      "ok": True})
     if device.type != "cuda" or T <= 4096:  # the rule needs fp64 logits: small sizes only
-        x = data["x"].detach().requires_grad_()
-        out = (linear_cross_entropy(x, data["W"], data["target"]),)
-        out += torch.autograd.grad(out[0], [x])
-        ref = (linear_cross_entropy_ref(x, data["W"], data["target"]),)
-        ref += torch.autograd.grad(ref[0], [x])
+        x, w, t = data["x"].detach().requires_grad_(), data["W"], data["target"]
+        one = torch.tensor(1.0, device=device)
+        out = with_grads(linear_cross_entropy(x, w, t), [x], one)
+        ref = with_grads(linear_cross_entropy_ref(x, w, t), [x], one)
         x64 = data["x"].double().requires_grad_()
-        ref64 = (linear_cross_entropy_ref(x64, data["W"].double(), data["target"]),)
-        ref64 += torch.autograd.grad(ref64[0], [x64])
+        ref64 = with_grads(linear_cross_entropy_ref(x64, w.double(), t), [x64], one.double())
         rows += rule_rows("q35lab", ("loss", "dx"), out, ref, ref64)
     for row in rows:
         row.setdefault("kernel_err", float("nan"))

@@ -23,7 +23,7 @@ import contextlib
 import torch
 
 from .. import shapes
-from ..numerics import rule_rows
+from ..numerics import rule_rows, with_grads
 from ..ops.lora import lora_linear, lora_linear_ref
 from .spec import OpBench
 
@@ -110,14 +110,11 @@ def check(T: int, device, dtype=torch.bfloat16) -> list[dict]:
     A, B = data["A"].clone().requires_grad_(), data["B"].clone().requires_grad_()
     scaling = ALPHA / RANK
 
-    def run(fn, x, W, A, B, dy):
-        y = fn(x, W, A, B, scaling)
-        return (y, *torch.autograd.grad(y, [x, A, B], dy))
-
-    out = run(lora_linear, x, data["W"], A, B, data["dy"])
-    ref = run(lora_linear_ref, x, data["W"], A, B, data["dy"])
+    W, dy = data["W"], data["dy"]
+    out = with_grads(lora_linear(x, W, A, B, scaling), [x, A, B], dy)
+    ref = with_grads(lora_linear_ref(x, W, A, B, scaling), [x, A, B], dy)
     x64, A64, B64 = (t.detach().double().requires_grad_() for t in (x, A, B))
-    ref64 = run(lora_linear_ref, x64, data["W"].double(), A64, B64, data["dy"].double())
+    ref64 = with_grads(lora_linear_ref(x64, W.double(), A64, B64, scaling), [x64, A64, B64], dy.double())
     return rule_rows("q35lab", ("y", "dx", "dA", "dB"), out, ref, ref64)
 
 

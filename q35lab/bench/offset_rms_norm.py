@@ -16,7 +16,7 @@ import importlib.util
 import torch
 
 from .. import shapes
-from ..numerics import agreement, compare, rule_rows
+from ..numerics import agreement, compare, rule_rows, with_grads
 from ..ops.offset_rms_norm import OffsetRMSNorm, offset_rms_norm, offset_rms_norm_ref
 from .spec import OpBench, module_impl
 
@@ -78,14 +78,10 @@ def check(T: int, device, dtype=torch.bfloat16) -> list[dict]:
     w = inputs["w"].clone().requires_grad_()
     dy = inputs["dy"]
 
-    def run(fn, x, w, dy):
-        y = fn(x, w)
-        return (y, *torch.autograd.grad(y, [x, w], dy))
-
-    out = run(offset_rms_norm, x, w, dy)
-    ref = run(offset_rms_norm_ref, x, w, dy)
+    out = with_grads(offset_rms_norm(x, w), [x, w], dy)
+    ref = with_grads(offset_rms_norm_ref(x, w), [x, w], dy)
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    ref64 = run(offset_rms_norm_ref, x64, w64, dy.double())
+    ref64 = with_grads(offset_rms_norm_ref(x64, w64), [x64, w64], dy.double())
     rows = rule_rows("q35lab", ("y", "dx", "dw"), out, ref, ref64)
     try:
         hf_y = _hf_output(x.detach(), w.detach())
