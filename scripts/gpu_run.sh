@@ -6,6 +6,7 @@
 #   usage (on the GPU machine, from the checkout):
 #     OPS="gated_rms_norm" STEPS=tune,check,bench,notebooks NOTEBOOKS=02_gated_rmsnorm.ipynb \
 #       TIMEOUT_bench=150 STEP_TIMEOUT=60 bash scripts/gpu_run.sh [--quick]
+#   TESTS picks the test files (default: all of tests/).
 #
 # flash-linear-attention is installed only for steps that measure it: with it, a Qwen3.5
 # training step raises on Hopper with Triton 3.6 (fla#640), which the model tests would hit.
@@ -33,7 +34,7 @@ step() {  # step NAME COMMAND...: run with a time limit (TIMEOUT_<name> or STEP_
   (cd "$ROOT" && tar czf "$OUT/results.tgz" data notebooks/*.ipynb $(ls q35lab/ops/tuned.json 2>/dev/null))
 }
 
-[[ $STEPS == *tests* ]] && step tests python3 -m pytest -q -x -p no:cacheprovider -o addopts="" tests
+[[ $STEPS == *tests* ]] && step tests python3 -m pytest -q --maxfail=3 -p no:cacheprovider -o addopts="" ${TESTS:-tests}
 for op in $OPS; do
   if [[ $STEPS == *tune* && -f scripts/tune_$op.py ]]; then
     step tune_$op python3 scripts/tune_$op.py --out data/bench/$gpu/${op}_tuning.csv
