@@ -31,10 +31,10 @@ def main():
     copy = core.measure_ceilings().copy_gbps
     base = op._default_config(WIDTH)
     candidates = {
-        "fwd": [dict(fwd_block_rows=r, fwd_warps=w) for r, w in itertools.product([16, 32, 64], [4, 8])],
-        "bwd": [dict(bwd_block_rows=r, bwd_warps=w, bwd_programs_per_sm=p, bwd_stages=st)
-                for r, w, p, st in itertools.product([16, 32], [4, 8], [4, 8, 16, 32], [1, 2])],
-        "bwd_frozen_w": [dict(frozen_block_rows=r, frozen_warps=w) for r, w in itertools.product([16, 32, 64], [4, 8])],
+        "fwd": [dict(fwd_block_rows=r, fwd_warps=w) for r, w in itertools.product([8, 16, 32, 64], [1, 2, 4, 8])],
+        "bwd": [dict(bwd_block_rows=r, bwd_warps=w, bwd_tiles_per_program=t)
+                for r, w, t in itertools.product([8, 16, 32], [2, 4, 8], [1, 2, 4, 8])],
+        "bwd_frozen_w": [dict(frozen_block_rows=r, frozen_warps=w) for r, w in itertools.product([8, 16, 32, 64], [1, 2, 4, 8])],
     }
     rows = []
     for T in args.T:
