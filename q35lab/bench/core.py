@@ -60,6 +60,10 @@ def gpu_slug(name: str | None = None) -> str:
 
 
 def _git_commit() -> str:
+    """Q35LAB_COMMIT when set (a copy of the tree on another machine may carry stale git
+    metadata), else the checkout's short hash, marked +dirty with uncommitted changes."""
+    if os.environ.get("Q35LAB_COMMIT"):
+        return os.environ["Q35LAB_COMMIT"]
     here = Path(__file__).resolve().parent
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
