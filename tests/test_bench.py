@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from q35lab import bench, plots
+from q35lab import bench, plots, runtime
 from q35lab.bench import core
 from q35lab.bench.offset_rms_norm import bytes_model
 
@@ -127,15 +127,18 @@ def test_figure_names():
     assert plots.figure_name("lora", "autocast+checkpoint", "nvidia-h200") == "lora-autocast-checkpoint_nvidia-h200.png"
 
 
-def test_linear_cross_entropy_setups_run_on_a_cpu():
-    """The loss sweep's setups (every installed implementation, both head variants), small vocabulary."""
+def test_linear_cross_entropy_setups_run():
+    """The loss sweep's setups (every installed implementation, both head variants), small
+    vocabulary, on this machine's device (the interpreter's CPU tensors, or the GPU's)."""
     from q35lab.bench import linear_cross_entropy as lce
 
     spec = bench.discover()["linear_cross_entropy"]
-    data = lce.make_inputs(6, torch.device("cpu"), vocab=300)
+    device = runtime.device()
+    data = lce.make_inputs(6, device, vocab=300)
     losses = {}
     for impl, (make, needs) in spec.impls.items():
-        if bench._missing(needs) or impl in ("liger", "cut-cross-entropy"):  # GPU-only kernels
+        gpu_only = impl in ("liger", "cut-cross-entropy")
+        if bench._missing(needs) or (gpu_only and device.type == "cpu"):
             continue
         for variant, options in spec.variants.items():
             forward, grads, dy = make(data, **options)
