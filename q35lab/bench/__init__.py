@@ -16,7 +16,7 @@ import torch
 
 from .. import runtime
 from . import core
-from .spec import OpBench
+from .spec import NotApplicable, OpBench
 
 __all__ = ["discover", "run", "check", "DATA"]
 
@@ -90,6 +90,8 @@ def _measure_impl(bench: OpBench, impl_name: str, T: int, ceilings: core.Ceiling
         else:
             try:
                 timing = core.measure(_pass_calls(make, inputs_sets, pass_, options))
+            except NotApplicable as reason:
+                timing = core.Timing(status="n/a", note=str(reason))
             except torch.cuda.OutOfMemoryError:
                 timing = core.Timing(status="oom", note="out of memory")
             except Exception as exc:  # a peer failing is a result, not a crash

@@ -132,7 +132,7 @@ class Timing:
     wall_ms: float = math.nan
     kernel_ms: float = math.nan
     extra_peak_mb: float = math.nan
-    status: str = "ok"  # ok | oom | error | skipped
+    status: str = "ok"  # ok | oom | error | skipped | n/a
     note: str = ""
 
 

@@ -142,7 +142,8 @@ BENCH = OpBench(
     },
     check=check,
     ours="q35lab",
-    sweep=[1024 * 4**i for i in range(4)],  # 1k, 4k, 16k, 64k
+    passes=("fwd+bwd",),  # what a training step runs; the goals are set on it
+    sweep=[1024, 4096, 16 * 1024, 32 * 1024],
     quick=[8 * 1024, 32 * 1024],
     variants={"": {}, "autocast": {"autocast": True}},
     metric="time",

@@ -14,6 +14,11 @@ from .. import shapes
 Impl = Callable[[dict], tuple[Callable[[], torch.Tensor], list, torch.Tensor]]
 
 
+class NotApplicable(Exception):
+    """Raised by an Impl's ``make`` for a variant it does not run under (the row says ``n/a``
+    and why), e.g. PEFT with its input cast disabled but no autocast: the dtypes do not meet."""
+
+
 @dataclass
 class OpBench:
     name: str
