@@ -19,8 +19,13 @@ Backward, with ``dy`` given, ``xa = d(x)·Aᵀ`` (saved, [T, r]) and ``dxa = s �
     db = Σ_rows dy
 
 Saved for backward: ``x`` (the caller keeps it anyway), ``xa`` (r values a row) and the dropout
-seed — the mask is regenerated, never stored. The adapter's contribution is added to the base
-GEMM's output in place (``addmm_``), so the peak holds one ``[T, N]`` output, as the base alone.
+seed — the mask is regenerated, never stored.
+
+Order of the work: the rank-r term is computed first, into the output buffer, and the base GEMM
+then accumulates onto it (``addmm_`` with β = 1). The GEMM is compute-bound, so reading that
+buffer in its epilogue is nearly free; adding the term afterwards would read and write the
+whole ``[T, N]`` output once more at memory speed. The same holds for ``dx`` in the backward.
+Either way the peak holds one ``[T, N]`` output, as the base alone.
 """
 
 from __future__ import annotations
@@ -65,9 +70,8 @@ class LoRALinearFunction(torch.autograd.Function):
         x2d = x.reshape(-1, x.shape[-1])
         a, b_scaled = lora_A.to(dtype), (lora_B * scaling).to(dtype)  # rank-r: cheap casts
         xa = _dropped(x2d, dropout, seed) @ a.t()  # [T, r]
-        w = weight.to(dtype).t()
-        y = x2d @ w if bias is None else torch.addmm(bias.to(dtype), x2d, w)
-        y.addmm_(xa, b_scaled.t())  # in place: no second [T, N] buffer at the peak
+        y = xa @ b_scaled.t() if bias is None else torch.addmm(bias.to(dtype), xa, b_scaled.t())
+        y.addmm_(x2d, weight.to(dtype).t())  # the base GEMM's epilogue adds the adapter term
         ctx.save_for_backward(x2d, weight, lora_A, lora_B, xa)
         ctx.scaling, ctx.dropout, ctx.seed, ctx.has_bias = scaling, dropout, seed, bias is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -83,11 +87,10 @@ class LoRALinearFunction(torch.autograd.Function):
         dxa = dy2d @ b_scaled  # [T, r]: s · dy·B
         dx = dA = dB = dW = db = None
         if needs_x:
-            dx = dy2d @ weight.to(dtype)
-            if ctx.dropout:  # the mask sits between the two terms: one [T, K] temporary
-                dx += (dxa @ a) * dropout_mask(dx, ctx.dropout, ctx.seed) / (1.0 - ctx.dropout)
-            else:
-                dx.addmm_(dxa, a)  # in place
+            dx = dxa @ a  # the adapter's term first ...
+            if ctx.dropout:  # (the mask applies to it alone)
+                dx.mul_(dropout_mask(dx, ctx.dropout, ctx.seed)).div_(1.0 - ctx.dropout)
+            dx.addmm_(dy2d, weight.to(dtype))  # ... then the base GEMM accumulates onto it
             dx = dx.view(*dy.shape[:-1], x2d.shape[-1])
         if needs_a:
             dA = (dxa.t() @ _dropped(x2d, ctx.dropout, ctx.seed)).to(lora_A.dtype)
