@@ -92,7 +92,6 @@ class FusedLoRAProjectionsFunction(torch.autograd.Function):
         out_features, lora_meta = meta
         dtype = x.dtype
         x2d = x.reshape(-1, x.shape[-1])
-        y = x2d @ weight_cat.t() if bias_cat is None else torch.addmm(bias_cat, x2d, weight_cat.t())
         offsets = [0]
         for n in out_features:
             offsets.append(offsets[-1] + n)
@@ -101,14 +100,18 @@ class FusedLoRAProjectionsFunction(torch.autograd.Function):
             shared_input = all(dropout == 0.0 for _, _, dropout, _ in lora_meta)
             if shared_input:  # one GEMM for every adapter's A
                 xa = x2d @ torch.cat([a.to(dtype) for a in A_list]).t()
-                xa_list = list(torch.split(xa, [a.shape[0] for a in A_list], dim=1))
             else:
-                xa_list = [_dropped(x2d, dropout, seed) @ a.to(dtype).t() for a, (_, _, dropout, seed) in zip(A_list, lora_meta)]
-                xa = torch.cat(xa_list, dim=1)
-            for (index, scaling, _, _), xa_i, b in zip(lora_meta, xa_list, B_list):
-                y[:, offsets[index]:offsets[index + 1]].addmm_(xa_i, (b * scaling).to(dtype).t())
+                xa = torch.cat([_dropped(x2d, dropout, seed) @ a.to(dtype).t()
+                                for a, (_, _, dropout, seed) in zip(A_list, lora_meta)], dim=1)
+            # Every adapter's s·xa_i·B_iᵀ in one GEMM against a block-diagonal [N, Σr] matrix,
+            # written first; the base GEMM then accumulates onto it (β = 1, read in its
+            # compute-bound epilogue) instead of a memory-bound y[:, slice] += … per adapter.
+            b_block = _block_diagonal_b(lora_meta, B_list, offsets, dtype, x2d.device)
+            y = xa @ b_block.t() if bias_cat is None else torch.addmm(bias_cat, xa, b_block.t())
+            y.addmm_(x2d, weight_cat.t())
         else:
             xa = x2d.new_empty(0)
+            y = x2d @ weight_cat.t() if bias_cat is None else torch.addmm(bias_cat, x2d, weight_cat.t())
         ctx.save_for_backward(x2d, weight_cat, xa, *adapters)
         ctx.meta, ctx.offsets = meta, offsets
         lead = x.shape[:-1]
@@ -122,29 +125,43 @@ class FusedLoRAProjectionsFunction(torch.autograd.Function):
         T = x2d.shape[0]
         dy = torch.cat([(g.reshape(T, -1).to(dtype) if g is not None else x2d.new_zeros(T, n))
                         for g, n in zip(grads, out_features)], dim=1)
-        dx = dy @ weight_cat
         A_list, B_list = adapters[0::2], adapters[1::2]
         adapter_grads = []
-        if lora_meta:
+        if not lora_meta:
+            dx = dy @ weight_cat
+        else:
             ranks = [a.shape[0] for a in A_list]
             xa_list = torch.split(xa, ranks, dim=1)
             dxa_list = [dy[:, offsets[i]:offsets[i + 1]] @ (b * s).to(dtype)
                         for (i, s, _, _), b in zip(lora_meta, B_list)]
-            shared_input = all(dropout == 0.0 for _, _, dropout, _ in lora_meta)
-            if shared_input:
-                dxa = torch.cat(dxa_list, dim=1)
-                dx.addmm_(dxa, torch.cat([a.to(dtype) for a in A_list]))  # one rank-Σr update
-            for (i, s, dropout, seed), a, b, xa_i, dxa_i in zip(lora_meta, A_list, B_list, xa_list, dxa_list):
-                if not shared_input:
+            # the adapters' share of dx first, then the base GEMM accumulates onto it (β = 1)
+            if all(dropout == 0.0 for _, _, dropout, _ in lora_meta):  # one rank-Σr GEMM
+                dx = torch.cat(dxa_list, dim=1) @ torch.cat([a.to(dtype) for a in A_list])
+            else:
+                dx = None
+                for (_, _, dropout, seed), a, dxa_i in zip(lora_meta, A_list, dxa_list):
                     lora_dx = dxa_i @ a.to(dtype)
                     if dropout:  # the forward's mask for this projection, regenerated
-                        lora_dx = lora_dx * dropout_mask(lora_dx, dropout, seed) / (1.0 - dropout)
-                    dx += lora_dx
+                        lora_dx.mul_(dropout_mask(lora_dx, dropout, seed)).div_(1.0 - dropout)
+                    dx = lora_dx if dx is None else dx.add_(lora_dx)
+            dx.addmm_(dy, weight_cat)
+            for (i, s, dropout, seed), a, b, xa_i, dxa_i in zip(lora_meta, A_list, B_list, xa_list, dxa_list):
                 dA = (dxa_i.t() @ _dropped(x2d, dropout, seed)).to(a.dtype)
                 dB = (dy[:, offsets[i]:offsets[i + 1]].t() @ xa_i).to(b.dtype) * s
                 adapter_grads += [dA, dB]
         dx = dx.view(*grads_shape(grads, x2d))
         return (dx, None, None, None, *adapter_grads)
+
+
+def _block_diagonal_b(lora_meta, B_list, offsets, dtype, device) -> torch.Tensor:
+    """``[N, Σr]``: adapter i's ``s_i·B_i`` in its projection's rows and its own rank columns."""
+    ranks = [b.shape[1] for b in B_list]
+    block = torch.zeros(offsets[-1], sum(ranks), dtype=dtype, device=device)
+    col = 0
+    for (index, scaling, _, _), b, r in zip(lora_meta, B_list, ranks):
+        block[offsets[index]:offsets[index + 1], col:col + r] = (b * scaling).to(dtype)
+        col += r
+    return block
 
 
 def grads_shape(grads, x2d):
