@@ -5,6 +5,7 @@ import torch
 
 import q35lab
 from q35lab.numerics import assert_close_by_rule
+from q35lab.ops import linear_cross_entropy as lce_op
 from q35lab.ops.linear_cross_entropy import default_chunk_size, linear_cross_entropy, linear_cross_entropy_ref
 from q35lab.runtime import device
 
@@ -41,6 +42,16 @@ def _check(shape, vocab, dtype, reduction, chunk_size, ignored=0.2, logit_scale=
                          ids=["batch-several-chunks", "one-token", "vocab-over-one-block"])
 def test_loss_and_gradients_match_the_reference(shape, vocab, chunk, dtype, reduction):
     _check(shape, vocab, dtype, reduction, chunk)
+
+
+@pytest.mark.parametrize("split_cols", [64, 100, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_split_across_programs(monkeypatch, split_cols, dtype):
+    """Rows cut into several splits (a last split shorter than the rest; odd widths), with
+    the target in any split and large logits, so the combined max comes from another split."""
+    monkeypatch.setattr(lce_op, "SPLIT_COLS", split_cols)
+    _check((7, 24), 333, dtype, "mean", 3)
+    _check((5, 16), 333, dtype, "none", 2, logit_scale=200.0, relative_atol=True)
 
 
 def test_large_logits_stay_finite():

@@ -14,7 +14,8 @@ gradient of loss_i) and ``p_i = softmax(z_i)``::
     dx_i = dz_i · W,      dW = Σ_i dz_iᵀ · x_i
 
 Tokens are processed in chunks: per chunk one GEMM makes its logits ([C, V] in the compute
-dtype), one Triton kernel turns each row into its loss and — in place — its logit gradient, and
+dtype), two Triton kernels turn each row into its loss and — in place — its logit gradient (a
+row is split across programs: partial max and Σexp first, then the combined statistics), and
 two GEMMs give the chunk's dx and its share of dW, accumulated in fp32 (cast once at the end).
 Only one chunk of logits ever exists. For the
 "mean" and "sum" reductions the gradients are computed during the forward (the upstream gradient
@@ -49,57 +50,110 @@ def linear_cross_entropy_ref(input, linear_weight, target, *, ignore_index=-100,
         target.shape if reduction == "none" else ())
 
 
+#: Columns of one row that one program handles. A chunk has few rows (512 at this vocabulary) and
+#: each is 248,320 wide: one program per row would leave the GPU with 512 long serial loops, so
+#: a row is split across programs, which first record a partial (max, Σexp) each.
+SPLIT_COLS = 16384
+
+
 @triton.jit
-def _ce_rows_kernel(
+def _ce_partial_stats_kernel(
+    LOGITS,  # [n_rows, n_cols]
+    PART_MAX,  # [n_rows, n_splits] fp32 out: max of the split's logits
+    PART_SUM,  # [n_rows, n_splits] fp32 out: Σ exp(z − that max) over the split
+    n_cols,
+    stride,
+    cols_per_split,  # a multiple of BLOCK
+    n_splits,
+    BLOCK: tl.constexpr,
+):
+    """Online max and Σexp (fp32) over one split of one row."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    base = LOGITS + row * stride
+    first = split * cols_per_split
+    last = tl.minimum(first + cols_per_split, n_cols)
+    running_max = tl.full([], -float("inf"), tl.float32)
+    running_sum = tl.zeros([], tl.float32)
+    for start in range(first, last, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        z = tl.load(base + cols, mask=cols < last, other=-float("inf")).to(tl.float32)
+        new_max = tl.maximum(running_max, tl.max(z, axis=0))
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
+        running_max = new_max
+    tl.store(PART_MAX + row * n_splits + split, running_max)
+    tl.store(PART_SUM + row * n_splits + split, running_sum)
+
+
+@triton.jit
+def _ce_finish_kernel(
     LOGITS,  # [n_rows, n_cols]: logits in; with COMPUTE_GRAD their gradient out, in place
     TARGET,  # [n_rows] int64
     SCALE,  # [n_rows] fp32: g_i, the weight of each row's loss in the reduction
     LOSS,  # [n_rows] fp32 out: lse − z_target, 0 for ignored rows
+    PART_MAX,
+    PART_SUM,  # [n_rows, n_splits] fp32, from _ce_partial_stats_kernel
     n_cols,
     stride,
     ignore_index,
+    cols_per_split,
+    n_splits,
+    SPLITS: tl.constexpr,  # n_splits rounded up to a power of two
     BLOCK: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
 ):
-    """One row per program: an online max and Σexp in fp32, then (optionally) g·(softmax − onehot).
+    """Combine the row's partials: m = max_s m_s, Σ = Σ_s Σ_s·exp(m_s − m); the first split writes
+    the loss lse − z_t = m + log Σ − z_t; with COMPUTE_GRAD every split writes
+    g·(exp(z − m)/Σ − onehot(t)) over its columns.
 
-    The softmax is exp(z − max) / Σ, not exp(z − lse): z − max is exact for the largest logits,
+    The softmax is exp(z − m) / Σ, not exp(z − lse): z − m is exact for the largest logits,
     where the gradient is largest, while lse carries a rounding of its own.
     """
     row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
     base = LOGITS + row * stride
+    parts = tl.arange(0, SPLITS)
+    part_mask = parts < n_splits
+    part_max = tl.load(PART_MAX + row * n_splits + parts, mask=part_mask, other=-float("inf"))
+    part_sum = tl.load(PART_SUM + row * n_splits + parts, mask=part_mask, other=0.0)
+    row_max = tl.max(part_max, axis=0)
+    row_sum = tl.sum(part_sum * tl.exp(part_max - row_max), axis=0)
     target = tl.load(TARGET + row)
     ignored = target == ignore_index
-    running_max = tl.full([], -float("inf"), tl.float32)
-    running_sum = tl.zeros([], tl.float32)
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        z = tl.load(base + cols, mask=cols < n_cols, other=-float("inf")).to(tl.float32)
-        new_max = tl.maximum(running_max, tl.max(z, axis=0))
-        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
-        running_max = new_max
-    safe_target = tl.where(ignored, 0, target)
-    z_target = tl.load(base + safe_target).to(tl.float32)
-    tl.store(LOSS + row, tl.where(ignored, 0.0, (running_max - z_target) + tl.log(running_sum)))
+    if split == 0:
+        z_target = tl.load(base + tl.where(ignored, 0, target)).to(tl.float32)
+        tl.store(LOSS + row, tl.where(ignored, 0.0, (row_max - z_target) + tl.log(row_sum)))
     if COMPUTE_GRAD:
         scale = tl.where(ignored, 0.0, tl.load(SCALE + row))
-        inv_sum = 1.0 / running_sum
-        for start in range(0, n_cols, BLOCK):
+        inv_sum = 1.0 / row_sum
+        first = split * cols_per_split
+        last = tl.minimum(first + cols_per_split, n_cols)
+        for start in range(first, last, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            mask = cols < n_cols
+            mask = cols < last
             z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-            grad = tl.exp(z - running_max) * inv_sum - tl.where(cols == target, 1.0, 0.0)
+            grad = tl.exp(z - row_max) * inv_sum - tl.where(cols == target, 1.0, 0.0)
             tl.store(base + cols, (grad * scale).to(LOGITS.dtype.element_ty), mask=mask)
 
 
 def _ce_rows(logits, target, scale, loss, ignore_index, compute_grad):
+    """Per row of ``logits``: the loss into ``loss`` and, with ``compute_grad``, the logit
+    gradient over the logits (in place). Two launches over a (rows × splits) grid."""
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
-    block = min(8192, triton.next_power_of_2(n_cols))
-    _ce_rows_kernel[(n_rows,)](
-        logits, target, scale, loss, n_cols, logits.stride(0), ignore_index,
-        BLOCK=block, COMPUTE_GRAD=compute_grad, num_warps=8 if block >= 4096 else 4,
+    block = min(4096, triton.next_power_of_2(min(n_cols, SPLIT_COLS)))
+    cols_per_split = triton.cdiv(SPLIT_COLS, block) * block
+    n_splits = triton.cdiv(n_cols, cols_per_split)
+    part_max = torch.empty((n_rows, n_splits), dtype=torch.float32, device=logits.device)
+    part_sum = torch.empty_like(part_max)
+    warps = 8 if block >= 4096 else 4
+    _ce_partial_stats_kernel[(n_rows, n_splits)](
+        logits, part_max, part_sum, n_cols, logits.stride(0), cols_per_split, n_splits, BLOCK=block, num_warps=warps,
+    )
+    _ce_finish_kernel[(n_rows, n_splits)](
+        logits, target, scale, loss, part_max, part_sum, n_cols, logits.stride(0), ignore_index, cols_per_split,
+        n_splits, SPLITS=triton.next_power_of_2(n_splits), BLOCK=block, COMPUTE_GRAD=compute_grad, num_warps=warps,
     )
 
 
