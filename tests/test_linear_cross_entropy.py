@@ -89,6 +89,15 @@ def test_chunk_size_comes_from_memory_and_results_do_not_depend_on_it():
         torch.testing.assert_close(loss, losses[0], rtol=1e-6, atol=1e-6)
 
 
+def test_a_tuned_chunk_size_is_used_for_its_shape_and_head_mode(monkeypatch):
+    tuned = {"248320x4096": {"chunk_rows_trainable": 2048, "chunk_rows_frozen": 1024}}
+    monkeypatch.setattr(lce_op, "tuned_fields", lambda op, key: tuned.get(key) if op == "linear_cross_entropy" else None)
+    assert default_chunk_size(100_000, 248_320, torch.bfloat16, 4096, head_trainable=True) == 2048
+    assert default_chunk_size(100_000, 248_320, torch.bfloat16, 4096, head_trainable=False) == 1024
+    assert default_chunk_size(700, 248_320, torch.bfloat16, 4096) == 700  # never more rows than there are
+    assert default_chunk_size(100_000, 248_320, torch.bfloat16, 5120) == 512  # another shape: the memory rule
+
+
 def test_public_name():
     assert q35lab.linear_cross_entropy is linear_cross_entropy
 

@@ -27,15 +27,16 @@ def _table() -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def tuned_fields(op: str, n_cols: int) -> dict | None:
-    """The committed configuration of ``op`` at width ``n_cols`` on this GPU, if there is one."""
+def tuned_fields(op: str, n_cols: int | str) -> dict | None:
+    """The committed configuration of ``op`` at width ``n_cols`` (or another shape key, e.g.
+    ``"248320x4096"``) on this GPU, if there is one."""
     if not torch.cuda.is_available():
         return None
     entry = _table().get(gpu_slug(torch.cuda.get_device_name()), {}).get(op, {})
     return entry.get(str(n_cols))
 
 
-def save(op: str, n_cols: int, fields: dict, gpu: str) -> None:
+def save(op: str, n_cols: int | str, fields: dict, gpu: str) -> None:
     """Record ``fields`` as the configuration of ``op`` at ``n_cols`` on ``gpu`` (tuning scripts)."""
     table = json.loads(TUNED_FILE.read_text()) if TUNED_FILE.exists() else {}
     table.setdefault(gpu_slug(gpu), {}).setdefault(op, {})[str(n_cols)] = fields

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ._checks import check_float_tensor, check_same_device
+from ._tuned import tuned_fields
 from .lora import _compute_dtype
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_ref", "LinearCrossEntropyFunction", "default_chunk_size",
@@ -157,10 +158,17 @@ def _ce_rows(logits, target, scale, loss, ignore_index, compute_grad):
     )
 
 
-def default_chunk_size(n_rows: int, vocab: int, dtype: torch.dtype) -> int:
-    """Rows per chunk so that one chunk of logits takes about ``CHUNK_BYTES``."""
+def default_chunk_size(n_rows: int, vocab: int, dtype: torch.dtype, hidden: int | None = None,
+                       head_trainable: bool = True) -> int:
+    """Rows per chunk: this GPU's tuned choice for ``vocab × hidden`` and the head's mode where
+    ``scripts/tune_linear_cross_entropy.py`` recorded one, else as many as fit ``CHUNK_BYTES``
+    of logits (a power of two, for the GEMMs)."""
+    tuned = tuned_fields("linear_cross_entropy", f"{vocab}x{hidden}") if hidden else None
+    key = "chunk_rows_trainable" if head_trainable else "chunk_rows_frozen"
+    if tuned is not None and key in tuned:
+        return max(1, min(n_rows, int(tuned[key])))
     rows = max(1, CHUNK_BYTES // (vocab * torch.empty((), dtype=dtype).element_size()))
-    return max(1, min(n_rows, 1 << (rows.bit_length() - 1)))  # a power of two for the GEMMs
+    return max(1, min(n_rows, 1 << (rows.bit_length() - 1)))
 
 
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -279,7 +287,7 @@ def linear_cross_entropy(input, linear_weight, target, *, ignore_index: int = -1
         raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
     dtype = _compute_dtype(input)
     x2d = input.reshape(-1, input.shape[-1]).to(dtype).contiguous()
-    chunk = chunk_size or default_chunk_size(x2d.shape[0], vocab, dtype)
+    chunk = chunk_size or default_chunk_size(x2d.shape[0], vocab, dtype, x2d.shape[1], linear_weight.requires_grad)
     with torch.autocast(device_type=input.device.type, enabled=False):
         loss = LinearCrossEntropyFunction.apply(x2d, linear_weight, flat_target.contiguous(), int(ignore_index),
                                                 reduction, int(chunk))

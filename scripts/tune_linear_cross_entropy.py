@@ -1,0 +1,64 @@
+"""Time and memory of the fused linear cross entropy against its chunk size, on this GPU.
+
+The chunk (rows of logits held at once) trades memory for GEMM size: small chunks make thin
+GEMMs and, with a trainable head, one more read and write of the fp32 dW accumulator per chunk.
+For the trainable and the frozen head, each chunk size is measured (kernel time from the
+profiler, extra peak memory) at hidden 4096, vocabulary 248,320, bf16; the smallest chunk within
+2% of the fastest is recorded in q35lab/ops/tuned.json for this GPU.
+
+    python scripts/tune_linear_cross_entropy.py --out data/bench/<gpu>/linear_cross_entropy_tuning.csv
+"""
+
+import argparse
+
+import pandas as pd
+import torch
+
+from q35lab import shapes
+from q35lab.bench import core
+from q35lab.ops import _tuned
+from q35lab.ops.linear_cross_entropy import linear_cross_entropy
+
+#: A chunk within this factor of the fastest counts as fast: among those the smallest is kept.
+WITHIN = 1.02
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--T", type=int, default=16 * 1024)
+    parser.add_argument("--chunks", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
+    args = parser.parse_args()
+    hidden, vocab = shapes.HIDDEN, shapes.VOCAB
+    matmul_tflops = core.measure_ceilings().matmul_tflops
+    one_matmul_ms = 2 * args.T * hidden * vocab / (matmul_tflops * 1e12) * 1e3
+    x = torch.randn(args.T, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, vocab, (args.T,), device="cuda")
+    rows, best = [], {}
+    for head in ("trainable", "frozen"):
+        w = (torch.randn(vocab, hidden, device="cuda") / hidden**0.5).to(torch.bfloat16)
+        w.requires_grad_(head == "trainable")
+        wanted = [x, w] if head == "trainable" else [x]
+        for chunk in args.chunks:
+            def step(chunk=chunk):
+                return torch.autograd.grad(linear_cross_entropy(x, w, target, chunk_size=chunk), wanted)
+
+            timing = core.measure([step])
+            rows.append(dict(head=head, T=args.T, chunk_rows=chunk, status=timing.status, kernel_ms=timing.kernel_ms,
+                             wall_ms=timing.wall_ms, extra_peak_mb=timing.extra_peak_mb,
+                             matmuls=timing.kernel_ms / one_matmul_ms, matmul_tflops=matmul_tflops))
+        del w
+        ok = pd.DataFrame([r for r in rows if r["head"] == head and r["status"] == "ok"])
+        if len(ok):
+            fast = ok[ok.kernel_ms <= WITHIN * ok.kernel_ms.min()]
+            best[f"chunk_rows_{head}"] = int(fast.chunk_rows.min())
+    df = pd.DataFrame(rows)
+    df.to_csv(args.out, index=False, float_format="%.5g")
+    if best:
+        _tuned.save("linear_cross_entropy", f"{vocab}x{hidden}", best, torch.cuda.get_device_name())
+    print(f"bf16 matmul {matmul_tflops:.0f} TFLOP/s; one logits matmul at T={args.T}: {one_matmul_ms:.1f} ms; saved {best}")
+    print(df[["head", "chunk_rows", "status", "kernel_ms", "matmuls", "extra_peak_mb"]].to_string(index=False))
+
+
+if __name__ == "__main__":
+    main()
