@@ -7,6 +7,8 @@ checkpoints keep seeing them). ``revert`` puts the originals back. Both are idem
 
 from __future__ import annotations
 
+import functools
+
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -86,7 +88,9 @@ def _override_forward(module: torch.nn.Module, marker: str, make_forward, proble
     elif problem:
         report.left_alone[f"{label}: {problem}"] += 1
     else:
-        module.forward = make_forward(module)
+        # keep the original's name and signature visible (inspect follows __wrapped__): Trainer
+        # drops every dataset column a forward's signature does not name
+        module.forward = functools.update_wrapper(make_forward(module), module.forward)
         object.__setattr__(module, marker, True)
         report.replaced[label] += 1
 
@@ -279,7 +283,8 @@ def _fuse_in_proj(gdn: torch.nn.Module, report: "PatchReport") -> None:
     for index, module in enumerate(modules):
         if _marked(module, _LORA_PATCHED) is not None:  # routed by lora=True earlier: the group takes over
             _unroute_lora(module, PatchReport())
-        module.forward = (lambda i: lambda x, *a, **k: group.output(i, x, a, k))(index)
+        forward = (lambda i: lambda x, *a, **k: group.output(i, x, a, k))(index)
+        module.forward = functools.update_wrapper(forward, module.forward)
         object.__setattr__(module, _IN_PROJ, group)
     report.replaced[f"{type(gdn).__name__} in_proj (4 projections, 1 node)"] += 1
 
