@@ -6,7 +6,7 @@ gradient checkpointing under bf16 autocast, as a fine-tuning run would. For each
 
 * the step's wall time (forward, backward and optimizer step, between CUDA events);
 * the share of it spent in the delta-rule core and the causal convolution — code that is not
-  ours and that no variant changes — timed by ``CoreTimer`` around those functions, forward
+  ours and that no variant changes — timed by ``RegionTimer`` around those functions, forward
   (including checkpointing's recompute) and backward; the rest is the step "outside the core";
 * the peak memory allocated, and the loss (equal across variants at the same seed).
 
@@ -14,6 +14,8 @@ Patching libraries replace classes module-wide (Liger does), so the CLI runs eve
 fresh process::
 
     python -m q35lab.e2e --variants peft peft+liger q35lab --T 8192 32768 --out data/bench/<gpu>/end_to_end.csv
+    python -m q35lab.e2e --what layer --layers 1 --variants peft q35lab --T 8192 32768 \
+        --out data/bench/<gpu>/gdn_layer.csv        # one GatedDeltaNet, its in_proj share
 """
 
 from __future__ import annotations
@@ -141,44 +143,47 @@ class _Stamp:
         return self.event.elapsed_time(end.event) if self.event is not None else 1e3 * (end.time - self.time)
 
 
-class CoreTimer:
-    """Times every call of the delta-rule core and the causal convolution, forward and backward.
+class RegionTimer:
+    """Device time spent in some regions of a step — calls of given functions or modules —
+    forward and backward, as the union of their intervals.
 
-    Forward: a stamp before and after the call (a checkpointed layer's recompute is a call too).
-    Backward: from the moment the gradient of the call's output arrives (a hook on the output)
-    to the moment the gradients of all its differentiable inputs are done (hooks on the inputs) —
-    autograd runs that region's nodes in between. ``total_ms()`` sums the intervals of one step.
+    Forward: a stamp before and after each call (a checkpointed layer's recompute is a call too).
+    Backward: from the moment the gradient of a call's output arrives (a hook on the output) to
+    the moment the gradients of all its differentiable inputs are done (hooks on the inputs) —
+    autograd runs that region's nodes in between. Intervals may overlap (four projections of one
+    input finish their backward together), so ``total_ms()`` measures their union on the
+    stream's clock, from the ``start()`` of the step.
     """
 
     def __init__(self):
         self.intervals: list[tuple[_Stamp, _Stamp]] = []
-        self._undo: list = []
+        self.origin: _Stamp | None = None
 
-    def reset(self) -> None:
+    def start(self, device_type: str) -> None:
         self.intervals.clear()
+        self.origin = _Stamp(device_type)
 
     def total_ms(self) -> float:
-        if self.intervals and self.intervals[0][0].event is not None:
+        if not self.intervals:
+            return 0.0
+        if self.origin.event is not None:
             torch.cuda.synchronize()
-        return sum(start.ms_until(end) for start, end in self.intervals)
+        spans = sorted((self.origin.ms_until(a), self.origin.ms_until(b)) for a, b in self.intervals)
+        total, (lo, hi) = 0.0, spans[0]
+        for a, b in spans[1:]:
+            if a > hi:
+                total, lo = total + (hi - lo), a
+            hi = max(hi, b)
+        return total + (hi - lo)
 
-    def wrap(self, fn):
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-            device_type = tensors[0].device.type if tensors else "cpu"
-            start = _Stamp(device_type)
-            out = fn(*args, **kwargs)
-            self.intervals.append((start, _Stamp(device_type)))
-            if torch.is_grad_enabled():
-                outputs = [o for o in (out if isinstance(out, tuple) else (out,))
-                           if isinstance(o, torch.Tensor) and o.requires_grad]
-                self._watch_backward([t for t in tensors if t.requires_grad], outputs, device_type)
-            return out
-
-        return timed
-
-    def _watch_backward(self, inputs, outputs, device_type) -> None:
+    # -- what a region is -------------------------------------------------------------------
+    def _forward_done(self, start, inputs, out, device_type) -> None:
+        self.intervals.append((start, _Stamp(device_type)))
+        if not torch.is_grad_enabled():
+            return
+        outputs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
+                   if isinstance(o, torch.Tensor) and o.requires_grad]
+        inputs = [t for t in inputs if t.requires_grad]
         if not inputs or not outputs:
             return
         state = {"start": None, "pending": len(inputs)}
@@ -197,14 +202,29 @@ class CoreTimer:
         for t in inputs:
             t.register_hook(input_grad_done)
 
+    def wrap(self, fn):
+        """``fn`` timed as a region (for functions the model looks up by name)."""
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            device_type = tensors[0].device.type if tensors else "cpu"
+            start = _Stamp(device_type)
+            out = fn(*args, **kwargs)
+            self._forward_done(start, tensors, out, device_type)
+            return out
+
+        return timed
+
     @contextlib.contextmanager
-    def installed(self, model):
-        """Wrap the core functions where this transformers version keeps them; undo on exit."""
+    def functions(self, model, names=CORE_FUNCTIONS):
+        """Wrap ``names`` where this transformers version keeps them (the Qwen3.5 modeling module,
+        or attributes of each GatedDeltaNet); yields how many were wrapped; undone on exit."""
         from transformers.models.qwen3_5 import modeling_qwen3_5
 
-        targets = [(modeling_qwen3_5, name) for name in CORE_FUNCTIONS]
+        targets = [(modeling_qwen3_5, name) for name in names]
         targets += [(m, name) for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")
-                    for name in CORE_FUNCTIONS if name in vars(m)]
+                    for name in names if name in vars(m)]
         undo = []
         for owner, name in targets:
             fn = getattr(owner, name, None)
@@ -216,6 +236,28 @@ class CoreTimer:
         finally:
             for owner, name, fn in undo:
                 setattr(owner, name, fn)
+
+    @contextlib.contextmanager
+    def modules(self, modules):
+        """Time every call of each module in ``modules`` (forward hooks); removed on exit."""
+        handles, pending = [], {}
+
+        def before(module, args, kwargs):
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            pending[id(module)] = (_Stamp(tensors[0].device.type if tensors else "cpu"), tensors)
+
+        def after(module, args, kwargs, out):
+            start, tensors = pending.pop(id(module))
+            self._forward_done(start, tensors, out, tensors[0].device.type if tensors else "cpu")
+
+        for m in modules:
+            handles.append(m.register_forward_pre_hook(before, with_kwargs=True))
+            handles.append(m.register_forward_hook(after, with_kwargs=True))
+        try:
+            yield len(modules)
+        finally:
+            for h in handles:
+                h.remove()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -255,17 +297,17 @@ def measure(model, T: int, steps: int = 3, warmup: int = 1, lr: float = 1e-4) ->
     device = next(model.parameters()).device
     vocab = model.get_input_embeddings().weight.shape[0]
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    timer = CoreTimer()
+    timer = RegionTimer()
     losses, step_ms, core_ms = [], [], []
     on_gpu = device.type == "cuda"
-    with timer.installed(model) as n_wrapped:
+    with timer.functions(model) as n_wrapped:
         for i in range(warmup + steps):
             ids = tokens(T, vocab, device, seed=i)
             if on_gpu:
                 torch.cuda.synchronize()
                 if i == warmup:
                     torch.cuda.reset_peak_memory_stats()
-            timer.reset()
+            timer.start(device.type)
             start = _Stamp(device.type)
             losses.append(train_step(model, optimizer, ids))
             end = _Stamp(device.type)
@@ -280,6 +322,42 @@ def measure(model, T: int, steps: int = 3, warmup: int = 1, lr: float = 1e-4) ->
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else math.nan,
         "loss_first": losses[0], "losses": json.dumps([round(v, 5) for v in losses]), "core_functions": n_wrapped,
     }
+
+
+IN_PROJ_NAMES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+
+def measure_layer(model, T: int, steps: int = 3, warmup: int = 1) -> dict:
+    """The model's first GatedDeltaNet alone, forward + backward under bf16 autocast at ``T``
+    tokens: its time, and how much of it its four in_proj projections and its delta-rule core
+    (with the causal convolution) take, each timed as regions (see ``RegionTimer``)."""
+    device = next(model.parameters()).device
+    gdn = next(m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+    hidden = gdn.in_proj_qkv.in_features
+    in_proj, core = RegionTimer(), RegionTimer()
+    layer_ms, in_proj_ms, core_ms = [], [], []
+    with in_proj.modules([getattr(gdn, name) for name in IN_PROJ_NAMES]), core.functions(model):
+        for i in range(warmup + steps):
+            generator = torch.Generator(device="cpu").manual_seed(i)
+            x = torch.randn(1, T, hidden, generator=generator).to(device, torch.bfloat16).requires_grad_()
+            dy = torch.randn(1, T, hidden, generator=generator).to(device, torch.bfloat16)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            in_proj.start(device.type)
+            core.start(device.type)
+            start = _Stamp(device.type)
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+                out = gdn(x)
+            (out[0] if isinstance(out, tuple) else out).backward(dy)
+            end = _Stamp(device.type)
+            model.zero_grad(set_to_none=True)
+            if i >= warmup:
+                layer_ms.append(start.ms_until(end))
+                in_proj_ms.append(in_proj.total_ms())
+                core_ms.append(core.total_ms())
+    layer, proj, delta = (statistics.median(v) for v in (layer_ms, in_proj_ms, core_ms))
+    return {"layer_ms": layer, "in_proj_ms": proj, "in_proj_share": proj / layer, "core_ms": delta,
+            "core_share": delta / layer}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -297,7 +375,10 @@ def _one_variant(args) -> None:
         row = {"variant": args.variant, "T": T, "size": args.size, "layers": args.layers, "rank": args.rank,
                "status": "ok", "note": "", "report": " ".join(str(report).split())[:300] if report else ""}
         try:
-            row.update(measure(model, T, steps=args.steps, warmup=args.warmup))
+            if args.what == "layer":
+                row.update(what="layer", **measure_layer(model, T, steps=args.steps, warmup=args.warmup))
+            else:
+                row.update(what="step", **measure(model, T, steps=args.steps, warmup=args.warmup))
         except torch.cuda.OutOfMemoryError:
             row.update(status="oom", note="out of memory")
         except Exception as exc:  # a variant failing is a result
@@ -307,9 +388,13 @@ def _one_variant(args) -> None:
         row.update(info)
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
-        print(f"{args.variant:22s} T={T:6d} {row['status']:5s} step {row.get('step_ms', math.nan):9.1f} ms, "
-              f"outside core {row.get('outside_core_ms', math.nan):9.1f} ms, peak {row.get('peak_gib', math.nan):6.1f} GiB",
-              flush=True)
+        if args.what == "layer":
+            print(f"{args.variant:22s} T={T:6d} {row['status']:5s} GatedDeltaNet fwd+bwd {row.get('layer_ms', math.nan):8.2f} ms, "
+                  f"in_proj {row.get('in_proj_ms', math.nan):8.2f} ms, core {row.get('core_ms', math.nan):8.2f} ms", flush=True)
+        else:
+            print(f"{args.variant:22s} T={T:6d} {row['status']:5s} step {row.get('step_ms', math.nan):9.1f} ms, "
+                  f"outside core {row.get('outside_core_ms', math.nan):9.1f} ms, peak {row.get('peak_gib', math.nan):6.1f} GiB",
+                  flush=True)
         if row["status"] == "oom":
             break  # longer sequences will not fit either
 
@@ -318,6 +403,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", nargs="+", default=["peft", "peft+liger", "q35lab"], choices=sorted(VARIANTS))
     parser.add_argument("--T", type=int, nargs="+", default=[8192, 32768])
+    parser.add_argument("--what", default="step", choices=["step", "layer"],
+                        help="a whole training step, or one GatedDeltaNet layer forward + backward")
     parser.add_argument("--size", default="h200", choices=["h200", "tiny"])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--rank", type=int, default=16)
@@ -336,7 +423,8 @@ def main(argv=None) -> int:
     lines = out.with_suffix(".jsonl")
     lines.unlink(missing_ok=True)
     for variant in args.variants:
-        child = [sys.executable, "-m", "q35lab.e2e", "--variant", variant, "--out", str(lines), "--size", args.size,
+        child = [sys.executable, "-m", "q35lab.e2e", "--variant", variant, "--out", str(lines), "--what", args.what,
+                 "--size", args.size,
                  "--layers", str(args.layers), "--rank", str(args.rank), "--steps", str(args.steps),
                  "--warmup", str(args.warmup), "--T", *map(str, args.T)]
         if subprocess.run(child).returncode != 0:

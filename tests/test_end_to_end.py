@@ -97,12 +97,38 @@ def test_core_timer_covers_forward_recompute_and_backward_of_every_core_call():
     result = e2e.measure(model, T=16, steps=1, warmup=0)
     assert result["core_functions"] >= 2  # the delta rule and the causal convolution
     assert 0 < result["core_ms"] < result["step_ms"]
-    timer = e2e.CoreTimer()
-    with timer.installed(model):
+    timer = e2e.RegionTimer()
+    timer.start(device().type)
+    with timer.functions(model):
         e2e.train_step(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0),
                        e2e.tokens(16, 256, device()))
     # 3 GatedDeltaNets × 2 functions × (forward, checkpoint recompute, backward)
     assert len(timer.intervals) == 3 * 2 * 3
+
+
+def test_region_union_counts_overlapping_intervals_once():
+    timer = e2e.RegionTimer()
+    timer.start("cpu")
+    origin = timer.origin.time
+
+    def stamp(ms):
+        s = e2e._Stamp("cpu")
+        s.time = origin + ms / 1e3
+        return s
+
+    for a, b in [(5, 9), (0, 2), (1, 3), (8, 12), (20, 21)]:
+        timer.intervals.append((stamp(a), stamp(b)))
+    assert timer.total_ms() == pytest.approx(3 + 7 + 1)  # [0, 3] ∪ [5, 12] ∪ [20, 21]
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_one_gated_delta_net_layer_is_timed_with_its_in_proj_share(patched):
+    model = e2e.build("tiny", 1, rank=8, device=device(), dtype=torch.float32)
+    if patched:
+        q35lab.apply_to_qwen3_5(model)
+    result = e2e.measure_layer(model, T=12, steps=1, warmup=0)
+    assert 0 < result["in_proj_ms"] < result["layer_ms"] and 0 < result["core_ms"] < result["layer_ms"]
+    assert 0 < result["in_proj_share"] < 1
 
 
 def test_toy_corpus_follows_its_rule():
