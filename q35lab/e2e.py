@@ -70,9 +70,10 @@ def config(size: str = "h200", layers: int = 4):
 
 
 def build(size: str = "h200", layers: int = 4, rank: int = 16, device=None, dtype=torch.bfloat16, seed: int = 0,
-          checkpointing: bool = True):
+          checkpointing: bool = True, modules_to_save: list[str] | None = None):
     """``AutoModelForCausalLM.from_config`` (random weights, seeded), LoRA r=``rank`` on every
-    linear layer (PEFT's defaults otherwise: fp32 adapters), gradient checkpointing."""
+    linear layer (PEFT's defaults otherwise: fp32 adapters), gradient checkpointing.
+    ``modules_to_save`` (e.g. ``["embed_tokens", "lm_head"]``) trains those whole, as for new tokens."""
     import peft
     from transformers import AutoModelForCausalLM
 
@@ -80,7 +81,8 @@ def build(size: str = "h200", layers: int = 4, rank: int = 16, device=None, dtyp
     model = AutoModelForCausalLM.from_config(config(size, layers), dtype=dtype)
     if device is not None:
         model = model.to(device)
-    model = peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear"))
+    model = peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
+                                                       modules_to_save=modules_to_save))
     with torch.no_grad():  # LoRA starts with B = 0; a non-zero B makes the adapters' path count
         generator = torch.Generator(device="cpu").manual_seed(seed + 1)
         for name, p in model.named_parameters():

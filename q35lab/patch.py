@@ -331,11 +331,27 @@ def causal_lm_loss(hidden_states, head_weight, labels, *, num_items_in_batch=Non
     return loss
 
 
+def _head_linear(head) -> torch.nn.Linear | None:
+    """The plain ``nn.Linear`` that computes the head right now: the head itself, or, for a head
+    that PEFT trains whole (``modules_to_save``, e.g. new tokens), the copy of the one active
+    adapter, or the original when adapters are disabled. None for anything else."""
+    if type(head).__name__ == "ModulesToSaveWrapper":
+        active = getattr(head, "active_adapters", None) or [getattr(head, "active_adapter", None)]
+        if getattr(head, "disable_adapters", False) or active[0] not in head.modules_to_save:
+            head = head.original_module
+        elif len(active) == 1:
+            head = head.modules_to_save[active[0]]
+        else:
+            return None
+    return head if type(head) is torch.nn.Linear else None
+
+
 def _flce_problem(model: torch.nn.Module) -> str | None:
     head = getattr(model, "lm_head", None)
-    if type(head) is not torch.nn.Linear:
+    linear = _head_linear(head)
+    if linear is None:
         return f"lm_head is {type(head).__name__} (a LoRA or quantized head keeps the model's loss)"
-    if head.bias is not None:
+    if linear.bias is not None:
         return "lm_head has a bias"
     return None
 
@@ -353,7 +369,7 @@ def _flce_forward(model: torch.nn.Module):
             out = own_forward(model, *args, **kwargs)  # "logits" = hidden states
         finally:
             model.lm_head = head
-        out.loss = causal_lm_loss(out.logits, head.weight, labels,
+        out.loss = causal_lm_loss(out.logits, _head_linear(head).weight, labels,
                                   num_items_in_batch=kwargs.get("num_items_in_batch"),
                                   ignore_index=kwargs.get("ignore_index", -100),
                                   shift_labels=kwargs.get("shift_labels"))

@@ -287,3 +287,33 @@ def test_a_lora_head_keeps_the_models_loss():
     report = q35lab.apply_to_qwen3_5(model)
     assert not any("loss (fused" in k for k in report.replaced)
     assert any("lm_head is" in k for k in report.left_alone)
+
+
+def test_a_head_trained_whole_by_peft_goes_through_the_fused_loss(monkeypatch):
+    """modules_to_save=["lm_head"] (new tokens): the active copy's weight is used and trained;
+    with the adapters disabled, the original head's."""
+    peft = pytest.importorskip("peft")
+    from q35lab.ops.linear_cross_entropy import LinearCrossEntropyFunction
+
+    model = peft.get_peft_model(causal_lm(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                                             modules_to_save=["lm_head"]))
+    with torch.no_grad():  # the copy and the original differ, so using the wrong one shows
+        model.base_model.model.lm_head.modules_to_save["default"].weight.mul_(1.5)
+    ids = torch.randint(0, 128, (2, 9), device=device())
+    reference = _loss_and_grads_with(model, ids, ids)
+    with model.disable_adapter():
+        reference_disabled = model(input_ids=ids, labels=ids).loss.detach()
+    report = q35lab.apply_to_qwen3_5(model)
+    assert report.replaced["Qwen3_5ForCausalLM loss (fused linear cross entropy)"] == 1
+    calls = []
+    original = LinearCrossEntropyFunction.forward
+    monkeypatch.setattr(LinearCrossEntropyFunction, "forward",
+                        staticmethod(lambda ctx, *a: calls.append(1) or original(ctx, *a)))
+    ours = _loss_and_grads_with(model, ids, ids)
+    assert len(calls) == 1 and any("modules_to_save" in name for name in ours[1])
+    torch.testing.assert_close(ours[0], reference[0], rtol=1e-5, atol=1e-6)
+    for name in reference[1]:
+        torch.testing.assert_close(ours[1][name], reference[1][name], rtol=1e-3, atol=1e-5, msg=name)
+    with model.disable_adapter():
+        torch.testing.assert_close(model(input_ids=ids, labels=ids).loss.detach(), reference_disabled,
+                                   rtol=1e-5, atol=1e-6)
