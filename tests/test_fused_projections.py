@@ -9,6 +9,7 @@ from q35lab.ops.fused_projections import (
     ConcatCache, FusedLoRAProjectionsFunction, Projection, fused_lora_projections, fused_lora_projections_ref,
 )
 from q35lab.runtime import device
+from tiny_models import count_forward_calls, loss_and_grads
 
 K = 64
 OUT = (96, 48, 8, 8)  # qkv, z, b, a in miniature
@@ -142,13 +143,6 @@ def _peft_tiny(targets):
     return model
 
 
-def _step(model, ids):
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize("targets", [
     ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj"],
     ["in_proj_qkv", "in_proj_b"],  # LoRA on some of the four only
@@ -156,21 +150,18 @@ def _step(model, ids):
 def test_tiny_peft_model_same_loss_and_gradients_and_the_fused_path_is_taken(monkeypatch, targets):
     model = _peft_tiny(targets)
     ids = torch.randint(0, 128, (2, 9), device=device())
-    loss_peft, grads_peft = _step(model, ids)
+    loss_peft, grads_peft = loss_and_grads(model, ids)
     report = q35lab.apply_to_qwen3_5(model)
     assert report.replaced["Qwen3_5GatedDeltaNet in_proj (4 projections, 1 node)"] == 1
-    calls = []
-    original = FusedLoRAProjectionsFunction.forward
-    monkeypatch.setattr(FusedLoRAProjectionsFunction, "forward",
-                        staticmethod(lambda ctx, *a: calls.append(1) or original(ctx, *a)))
-    loss_ours, grads_ours = _step(model, ids)
+    calls = count_forward_calls(monkeypatch, FusedLoRAProjectionsFunction)
+    loss_ours, grads_ours = loss_and_grads(model, ids)
     assert len(calls) == 1  # one GatedDeltaNet, one fused node per forward
     torch.testing.assert_close(loss_ours, loss_peft, rtol=1e-5, atol=1e-6)
     assert grads_ours.keys() == grads_peft.keys()
     for name in grads_peft:
         torch.testing.assert_close(grads_ours[name], grads_peft[name], rtol=1e-3, atol=1e-5, msg=name)
     q35lab.revert(model)
-    loss_back, _ = _step(model, ids)
+    loss_back, _ = loss_and_grads(model, ids)
     assert len(calls) == 1
     torch.testing.assert_close(loss_back, loss_peft, rtol=1e-6, atol=1e-6)
 
@@ -180,13 +171,13 @@ def test_disabled_adapters_and_gradient_checkpointing():
     ids = torch.randint(0, 128, (1, 8), device=device())
     with model.disable_adapter():
         base_loss = model(input_ids=ids, labels=ids).loss.detach()
-    loss_peft, grads_peft = _step(model, ids)
+    loss_peft, grads_peft = loss_and_grads(model, ids)
     q35lab.apply_to_qwen3_5(model)
     with model.disable_adapter():  # fused, base projections only
         torch.testing.assert_close(model(input_ids=ids, labels=ids).loss.detach(), base_loss, rtol=1e-5, atol=1e-6)
     model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    loss_ckpt, grads_ckpt = _step(model, ids)
+    loss_ckpt, grads_ckpt = loss_and_grads(model, ids)
     torch.testing.assert_close(loss_ckpt, loss_peft, rtol=1e-5, atol=1e-6)
     for name in grads_peft:
         torch.testing.assert_close(grads_ckpt[name], grads_peft[name], rtol=1e-3, atol=1e-5, msg=name)

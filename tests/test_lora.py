@@ -7,6 +7,7 @@ import q35lab
 from q35lab.numerics import assert_close_by_rule
 from q35lab.ops.lora import LoRALinearFunction, dropout_mask, lora_linear, lora_linear_ref
 from q35lab.runtime import device
+from tiny_models import count_forward_calls
 
 peft = pytest.importorskip("peft")
 
@@ -130,10 +131,7 @@ def test_peft_layers_are_routed_and_fall_back_when_they_must(monkeypatch):
     model, layer = _peft_layer(32, 24, 4, alpha=8)
     report = q35lab.apply_to_qwen3_5(model)
     assert report.replaced == {"PEFT lora.Linear (forward)": 1}
-    calls = []
-    original = LoRALinearFunction.forward
-    monkeypatch.setattr(LoRALinearFunction, "forward",
-                        staticmethod(lambda ctx, *a: calls.append(1) or original(ctx, *a)))
+    calls = count_forward_calls(monkeypatch, LoRALinearFunction)
     x = torch.randn(3, 32, device=device())
     y_routed = model(x)
     assert len(calls) == 1

@@ -10,7 +10,7 @@ from q35lab.runtime import device
 from q35lab.ops.gated_rms_norm import GatedRMSNorm, GatedRMSNormFunction
 from q35lab.ops.offset_rms_norm import OffsetRMSNorm, OffsetRMSNormFunction
 
-from tiny_models import causal_lm, moe_causal_lm, multimodal
+from tiny_models import causal_lm, count_forward_calls, loss_and_grads, moe_causal_lm, multimodal
 
 
 def _loss_and_grads(model, ids):
@@ -237,10 +237,10 @@ def test_loss_without_logits_same_loss_and_gradients(build):
     ids = torch.randint(0, 128, (2, 11), device=device())
     labels = ids.clone()
     labels[0, :3] = -100
-    reference = _loss_and_grads_with(model, ids, labels)
+    reference = loss_and_grads(model, ids, labels)
     report = q35lab.apply_to_qwen3_5(model, rms_norm=False, gated_norm=False, lora=False, in_proj=False)
     assert report.replaced == {f"{type(model).__name__} loss (fused linear cross entropy)": 1}
-    ours = _loss_and_grads_with(model, ids, labels)
+    ours = loss_and_grads(model, ids, labels)
     torch.testing.assert_close(ours[0], reference[0], rtol=1e-5, atol=1e-6)
     for name in reference[1]:
         torch.testing.assert_close(ours[1][name], reference[1][name], rtol=1e-4, atol=1e-6, msg=name)
@@ -255,26 +255,16 @@ def test_loss_without_logits_same_loss_and_gradients(build):
                                rtol=1e-5, atol=1e-6)
 
 
-def _loss_and_grads_with(model, ids, labels):
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=labels).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 def test_loss_of_a_peft_model_goes_through_the_fused_loss(monkeypatch):
     peft = pytest.importorskip("peft")
     from q35lab.ops.linear_cross_entropy import LinearCrossEntropyFunction
 
     model = peft.get_peft_model(causal_lm(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "out_proj"]))
     ids = torch.randint(0, 128, (2, 9), device=device())
-    reference = _loss_and_grads_with(model, ids, ids)
+    reference = loss_and_grads(model, ids)
     q35lab.apply_to_qwen3_5(model)
-    calls = []
-    original = LinearCrossEntropyFunction.forward
-    monkeypatch.setattr(LinearCrossEntropyFunction, "forward",
-                        staticmethod(lambda ctx, *a: calls.append(1) or original(ctx, *a)))
-    ours = _loss_and_grads_with(model, ids, ids)
+    calls = count_forward_calls(monkeypatch, LinearCrossEntropyFunction)
+    ours = loss_and_grads(model, ids)
     assert len(calls) == 1
     torch.testing.assert_close(ours[0], reference[0], rtol=1e-5, atol=1e-6)
     for name in reference[1]:
@@ -300,16 +290,13 @@ def test_a_head_trained_whole_by_peft_goes_through_the_fused_loss(monkeypatch):
     with torch.no_grad():  # the copy and the original differ, so using the wrong one shows
         model.base_model.model.lm_head.modules_to_save["default"].weight.mul_(1.5)
     ids = torch.randint(0, 128, (2, 9), device=device())
-    reference = _loss_and_grads_with(model, ids, ids)
+    reference = loss_and_grads(model, ids)
     with model.disable_adapter():
         reference_disabled = model(input_ids=ids, labels=ids).loss.detach()
     report = q35lab.apply_to_qwen3_5(model)
     assert report.replaced["Qwen3_5ForCausalLM loss (fused linear cross entropy)"] == 1
-    calls = []
-    original = LinearCrossEntropyFunction.forward
-    monkeypatch.setattr(LinearCrossEntropyFunction, "forward",
-                        staticmethod(lambda ctx, *a: calls.append(1) or original(ctx, *a)))
-    ours = _loss_and_grads_with(model, ids, ids)
+    calls = count_forward_calls(monkeypatch, LinearCrossEntropyFunction)
+    ours = loss_and_grads(model, ids)
     assert len(calls) == 1 and any("modules_to_save" in name for name in ours[1])
     torch.testing.assert_close(ours[0], reference[0], rtol=1e-5, atol=1e-6)
     for name in reference[1]:

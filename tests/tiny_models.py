@@ -41,3 +41,19 @@ def moe_causal_lm() -> torch.nn.Module:
     config = Qwen3_5MoeTextConfig(moe_intermediate_size=32, shared_expert_intermediate_size=32,
                                   num_experts=4, num_experts_per_tok=2, **TEXT)
     return _randomise_norms(Qwen3_5MoeForCausalLM(config))
+
+
+def loss_and_grads(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor | None = None):
+    """One causal-LM loss (labels = ids unless given) and the gradient of every parameter that gets one."""
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids if labels is None else labels).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def count_forward_calls(monkeypatch, function_class) -> list:
+    """Make ``function_class.forward`` (an autograd Function) record each call in the returned list."""
+    calls = []
+    original = function_class.forward
+    monkeypatch.setattr(function_class, "forward", staticmethod(lambda ctx, *a: calls.append(1) or original(ctx, *a)))
+    return calls
