@@ -78,9 +78,8 @@ def build(size: str = "h200", layers: int = 4, rank: int = 16, device=None, dtyp
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config(size, layers), dtype=dtype)
-    if device is not None:
-        model = model.to(device)
+    with torch.device(device or "cpu"):  # initialised where it will run: 3 B parameters init slowly on a CPU
+        model = AutoModelForCausalLM.from_config(config(size, layers), dtype=dtype)
     model = peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
                                                        modules_to_save=modules_to_save))
     with torch.no_grad():  # LoRA starts with B = 0; a non-zero B makes the adapters' path count
