@@ -40,6 +40,7 @@ __all__ = ["linear_cross_entropy", "linear_cross_entropy_ref", "LinearCrossEntro
 #: GEMM size. ``linear_cross_entropy(..., chunk_size=N)`` overrides the rows per chunk directly.
 CHUNK_BYTES = 256 * 2**20
 REDUCTIONS = ("mean", "sum", "none")
+WEIGHT_GRADS = ("auto", "accumulate", "recompute")
 
 
 def linear_cross_entropy_ref(input, linear_weight, target, *, ignore_index=-100, reduction="mean"):
@@ -94,6 +95,7 @@ def _ce_finish_kernel(
     LOSS,  # [n_rows] fp32 out: lse − z_target, 0 for ignored rows
     PART_MAX,
     PART_SUM,  # [n_rows, n_splits] fp32, from _ce_partial_stats_kernel
+    LSE,  # [n_rows] fp32 out when WRITE_LSE: log Σ exp z, for a later pass over the vocabulary
     n_cols,
     stride,
     ignore_index,
@@ -102,6 +104,7 @@ def _ce_finish_kernel(
     SPLITS: tl.constexpr,  # n_splits rounded up to a power of two
     BLOCK: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
     """Combine the row's partials: m = max_s m_s, Σ = Σ_s Σ_s·exp(m_s − m); the first split writes
     the loss lse − z_t = m + log Σ − z_t; with COMPUTE_GRAD every split writes
@@ -124,6 +127,8 @@ def _ce_finish_kernel(
     if split == 0:
         z_target = tl.load(base + tl.where(ignored, 0, target)).to(tl.float32)
         tl.store(LOSS + row, tl.where(ignored, 0.0, (row_max - z_target) + tl.log(row_sum)))
+        if WRITE_LSE:
+            tl.store(LSE + row, row_max + tl.log(row_sum))
     if COMPUTE_GRAD:
         scale = tl.where(ignored, 0.0, tl.load(SCALE + row))
         inv_sum = 1.0 / row_sum
@@ -137,9 +142,10 @@ def _ce_finish_kernel(
             tl.store(base + cols, (grad * scale).to(LOGITS.dtype.element_ty), mask=mask)
 
 
-def _ce_rows(logits, target, scale, loss, ignore_index, compute_grad):
-    """Per row of ``logits``: the loss into ``loss`` and, with ``compute_grad``, the logit
-    gradient over the logits (in place). Two launches over a (rows × splits) grid."""
+def _ce_rows(logits, target, scale, loss, ignore_index, compute_grad, lse=None):
+    """Per row of ``logits``: the loss into ``loss``, with ``compute_grad`` the logit gradient
+    over the logits (in place), and the log-sum-exp into ``lse`` if given. Two launches over a
+    (rows × splits) grid."""
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
@@ -153,9 +159,39 @@ def _ce_rows(logits, target, scale, loss, ignore_index, compute_grad):
         logits, part_max, part_sum, n_cols, logits.stride(0), cols_per_split, n_splits, BLOCK=block, num_warps=warps,
     )
     _ce_finish_kernel[(n_rows, n_splits)](
-        logits, target, scale, loss, part_max, part_sum, n_cols, logits.stride(0), ignore_index, cols_per_split,
-        n_splits, SPLITS=triton.next_power_of_2(n_splits), BLOCK=block, COMPUTE_GRAD=compute_grad, num_warps=warps,
+        logits, target, scale, loss, part_max, part_sum, loss if lse is None else lse, n_cols, logits.stride(0),
+        ignore_index, cols_per_split, n_splits, SPLITS=triton.next_power_of_2(n_splits), BLOCK=block,
+        COMPUTE_GRAD=compute_grad, WRITE_LSE=lse is not None, num_warps=warps,
     )
+
+
+@triton.jit
+def _softmax_grad_kernel(
+    Z,  # [n_rows, n_cols]: one block of the vocabulary's logits in; their gradient out, in place
+    LSE,  # [n_rows] fp32
+    TARGET,  # [n_rows] int64
+    SCALE,  # [n_rows] fp32
+    n_rows,
+    n_cols,
+    stride,
+    first_class,  # the vocabulary index of column 0
+    ignore_index,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    """dz_ij = g_i · (exp(z_ij − lse_i) − [first_class + j = t_i]), 0 for ignored rows."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & (cols < n_cols)[None, :]
+    offsets = rows.to(tl.int64)[:, None] * stride + cols[None, :]
+    z = tl.load(Z + offsets, mask=mask, other=0.0).to(tl.float32)
+    lse = tl.load(LSE + rows, mask=row_mask, other=0.0)
+    target = tl.load(TARGET + rows, mask=row_mask, other=ignore_index)
+    scale = tl.where(target == ignore_index, 0.0, tl.load(SCALE + rows, mask=row_mask, other=0.0))
+    onehot = tl.where((first_class + cols)[None, :] == target[:, None], 1.0, 0.0)
+    grad = (tl.exp(z - lse[:, None]) - onehot) * scale[:, None]
+    tl.store(Z + offsets, grad.to(Z.dtype.element_ty), mask=mask)
 
 
 def default_chunk_size(n_rows: int, vocab: int, dtype: torch.dtype, hidden: int | None = None,
@@ -191,10 +227,61 @@ def _chunks(n_rows: int, chunk_size: int):
         yield slice(start, min(start + chunk_size, n_rows))
 
 
+def _token_pass(x2d, w, target, scale, ignore_index, chunk_size, loss_rows, *, grads, dx=None, dw_acc=None,
+                lse=None):
+    """Chunks of tokens, each with its full rows of logits: the loss of every token; with
+    ``grads`` the logit gradient (in place), then the chunk's dx and its share of dW (into the
+    fp32 ``dw_acc``); the log-sum-exp of every token into ``lse`` if given."""
+    for rows in _chunks(x2d.shape[0], chunk_size):
+        logits = x2d[rows] @ w.t()  # [C, V]: the only logits that exist at a time
+        _ce_rows(logits, target[rows], scale[rows], loss_rows[rows], ignore_index, compute_grad=grads,
+                 lse=None if lse is None else lse[rows])
+        if dx is not None:
+            torch.mm(logits, w, out=dx[rows])
+        if dw_acc is not None:
+            _accumulate(dw_acc, logits.t(), x2d[rows])
+
+
+def _weight_grad_by_vocab_blocks(x2d, w, target, scale, lse, ignore_index, out_dtype):
+    """dW block by block of the vocabulary, over every token at once: recompute the block's
+    logits ([T, Vb]), turn them into their gradient with the saved log-sum-exp, and make
+    dW_b = dz_bᵀ·x in one GEMM whose fp32 accumulator spans all T tokens (one rounding, and no
+    [V, H] fp32 buffer: the price is a fourth logits-sized matmul)."""
+    n_rows, vocab = x2d.shape[0], w.shape[0]
+    block = max(1, min(vocab, CHUNK_BYTES // (n_rows * x2d.element_size())))
+    dw = torch.empty((vocab, w.shape[1]), dtype=out_dtype, device=x2d.device)
+    for first in range(0, vocab, block):
+        classes = slice(first, min(first + block, vocab))
+        z = x2d @ w[classes].t()  # [T, Vb]
+        grid = (triton.cdiv(n_rows, 16), triton.cdiv(z.shape[1], 256))
+        _softmax_grad_kernel[grid](z, lse, target, scale, n_rows, z.shape[1], z.stride(0), first, ignore_index,
+                                   BLOCK_ROWS=16, BLOCK_COLS=256, num_warps=4)
+        if out_dtype == x2d.dtype:
+            torch.mm(z.t(), x2d, out=dw[classes])
+        else:  # e.g. an fp32 head with bf16 activations: accumulate in fp32, as the other path
+            acc = torch.zeros((z.shape[1], x2d.shape[1]), dtype=torch.float32, device=x2d.device)
+            _accumulate(acc, z.t(), x2d)
+            dw[classes] = acc.to(out_dtype)
+    return dw
+
+
+def _gradients(x2d, weight, target, scale, ignore_index, chunk_size, loss_rows, needs_dx, needs_dw, weight_grad):
+    """(dx, dW) for per-token weights ``scale``, filling ``loss_rows`` on the way."""
+    w = weight.to(x2d.dtype)
+    dx = torch.empty_like(x2d) if needs_dx else None
+    by_blocks = needs_dw and weight_grad == "recompute"
+    dw_acc = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_dw and not by_blocks else None
+    lse = torch.empty(x2d.shape[0], dtype=torch.float32, device=x2d.device) if by_blocks else None
+    _token_pass(x2d, w, target, scale, ignore_index, chunk_size, loss_rows, grads=True, dx=dx, dw_acc=dw_acc, lse=lse)
+    if by_blocks:
+        return dx, _weight_grad_by_vocab_blocks(x2d, w, target, scale, lse, ignore_index, weight.dtype)
+    return dx, (None if dw_acc is None else dw_acc.to(weight.dtype))
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, weight, target, ignore_index: int, reduction: str, chunk_size: int):
-        n_rows, vocab = x2d.shape[0], weight.shape[0]
+    def forward(ctx, x2d, weight, target, ignore_index: int, reduction: str, chunk_size: int, weight_grad: str):
+        n_rows = x2d.shape[0]
         needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         valid = target != ignore_index
         n_valid = valid.sum()
@@ -204,22 +291,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             scale = valid.float() / n_valid.clamp_min(1)
         else:
             scale = valid.float()
-        dx = torch.empty_like(x2d) if grads_now and needs_dx else None
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads_now and needs_dw else None
-        w = weight.to(x2d.dtype)
-        for rows in _chunks(n_rows, chunk_size):
-            logits = x2d[rows] @ w.t()  # [C, V]: the only logits that ever exist
-            _ce_rows(logits, target[rows], scale[rows], loss_rows[rows], ignore_index, compute_grad=grads_now)
-            if dx is not None:
-                torch.mm(logits, w, out=dx[rows])
-            if dw is not None:
-                _accumulate(dw, logits.t(), x2d[rows])
-        if dw is not None:
-            dw = dw.to(weight.dtype)
         ctx.reduction, ctx.ignore_index, ctx.chunk_size, ctx.grads_now = reduction, ignore_index, chunk_size, grads_now
+        ctx.weight_grad = weight_grad
         if grads_now:
+            dx, dw = _gradients(x2d, weight, target, scale, ignore_index, chunk_size, loss_rows, needs_dx, needs_dw,
+                                weight_grad)
             ctx.save_for_backward(dx, dw)
         else:
+            _token_pass(x2d, weight.to(x2d.dtype), target, scale, ignore_index, chunk_size, loss_rows, grads=False)
             ctx.save_for_backward(x2d, weight, target)
         if reduction == "none":
             return loss_rows
@@ -235,26 +314,16 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 dx.mul_(grad_loss.to(dx.dtype))
             if dw is not None:
                 dw.mul_(grad_loss.to(dw.dtype))
-            return dx, dw, None, None, None, None
+            return dx, dw, None, None, None, None, None
         x2d, weight, target = ctx.saved_tensors  # reduction="none": per-token upstream weights
-        needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        scale = grad_loss.to(torch.float32).contiguous()
-        dx = torch.empty_like(x2d) if needs_dx else None
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_dw else None
-        w = weight.to(x2d.dtype)
-        scratch = torch.empty(min(ctx.chunk_size, x2d.shape[0]), dtype=torch.float32, device=x2d.device)
-        for rows in _chunks(x2d.shape[0], ctx.chunk_size):
-            logits = x2d[rows] @ w.t()  # recomputed: the statistics come again with the gradient
-            _ce_rows(logits, target[rows], scale[rows], scratch, ctx.ignore_index, compute_grad=True)
-            if dx is not None:
-                torch.mm(logits, w, out=dx[rows])
-            if dw is not None:
-                _accumulate(dw, logits.t(), x2d[rows])
-        return dx, (None if dw is None else dw.to(weight.dtype)), None, None, None, None
+        scratch = torch.empty(x2d.shape[0], dtype=torch.float32, device=x2d.device)
+        dx, dw = _gradients(x2d, weight, target, grad_loss.to(torch.float32).contiguous(), ctx.ignore_index,
+                            ctx.chunk_size, scratch, ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.weight_grad)
+        return dx, dw, None, None, None, None, None
 
 
 def linear_cross_entropy(input, linear_weight, target, *, ignore_index: int = -100, reduction: str = "mean",
-                         chunk_size: int | None = None):
+                         chunk_size: int | None = None, weight_grad: str = "auto"):
     """``cross_entropy(linear(input, linear_weight), target)`` without materialising the logits.
 
     Mirrors ``torch.nn.functional.linear_cross_entropy`` (PyTorch ≥ 2.13): ``input`` [..., H],
@@ -262,6 +331,15 @@ def linear_cross_entropy(input, linear_weight, target, *, ignore_index: int = -1
     fp32; gradients for ``input`` and ``linear_weight`` (skipped when it does not require grad,
     the usual LoRA case). ``chunk_size`` (rows of logits held at once) defaults to what
     ``CHUNK_BYTES`` allows. A batch whose targets are all ignored gives loss 0 and zero gradients.
+
+    ``weight_grad`` picks how a trainable head's gradient is made: ``"accumulate"`` adds each
+    chunk's share into an fp32 ``[V, H]`` buffer (three logits-sized matmuls; the buffer is twice
+    the gradient's size), ``"recompute"`` makes it block by block of the vocabulary in a second
+    pass (four matmuls; no buffer beyond the gradient itself), ``"auto"`` the one tuned for this
+    GPU, else ``"accumulate"``. "recompute" normalises the second pass's logits with the first
+    pass's log-sum-exp; the two passes' GEMMs differ in shape and may round a logit differently
+    in its last bit, so its dW carries an error of about one ulp of the largest logit, relative:
+    below the rounding of bf16 logits, above fp32's for logits in the hundreds.
     """
     check_float_tensor("input", input)
     check_float_tensor("linear_weight", linear_weight)
@@ -285,10 +363,15 @@ def linear_cross_entropy(input, linear_weight, target, *, ignore_index: int = -1
                          f"got {flat_target[bad][0].item()}")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
+    if weight_grad not in WEIGHT_GRADS:
+        raise ValueError(f"weight_grad: expected one of {WEIGHT_GRADS}, got {weight_grad!r}")
     dtype = _compute_dtype(input)
     x2d = input.reshape(-1, input.shape[-1]).to(dtype).contiguous()
     chunk = chunk_size or default_chunk_size(x2d.shape[0], vocab, dtype, x2d.shape[1], linear_weight.requires_grad)
+    if weight_grad == "auto":
+        tuned = tuned_fields("linear_cross_entropy", f"{vocab}x{x2d.shape[1]}") or {}
+        weight_grad = tuned.get("weight_grad", "accumulate")
     with torch.autocast(device_type=input.device.type, enabled=False):
         loss = LinearCrossEntropyFunction.apply(x2d, linear_weight, flat_target.contiguous(), int(ignore_index),
-                                                reduction, int(chunk))
+                                                reduction, int(chunk), weight_grad)
     return loss.reshape(target.shape) if reduction == "none" else loss
