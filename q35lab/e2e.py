@@ -232,8 +232,12 @@ class RegionTimer:
             if callable(fn):
                 setattr(owner, name, self.wrap(fn))
                 undo.append((owner, name, fn))
+        # versions that keep causal_conv1d_fn = None on the layer run its nn.Conv1d instead
+        convs = [m.conv1d for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")
+                 and "causal_conv1d_fn" in vars(m) and vars(m)["causal_conv1d_fn"] is None and hasattr(m, "conv1d")]
         try:
-            yield len(undo)
+            with self.modules(convs):
+                yield len(undo) + len(convs)
         finally:
             for owner, name, fn in undo:
                 setattr(owner, name, fn)

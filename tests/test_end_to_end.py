@@ -106,6 +106,23 @@ def test_core_timer_covers_forward_recompute_and_backward_of_every_core_call():
     assert len(timer.intervals) == 3 * 2 * 3
 
 
+def test_a_layer_that_runs_its_own_conv1d_has_it_timed():
+    """Older transformers keep causal_conv1d_fn = None on the layer and call its nn.Conv1d."""
+    model = _model()
+    layers = [m for m in model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet"]
+    for layer in layers:
+        layer.causal_conv1d_fn = None
+    timer = e2e.RegionTimer()
+    timer.start(device().type)
+    with timer.functions(model) as wrapped:
+        assert wrapped == 2 + len(layers)  # the two module functions and each layer's conv1d
+        conv = layers[0].conv1d
+        conv(torch.randn(1, conv.in_channels, 5, device=device()))
+    assert len(timer.intervals) == 1
+    conv(torch.randn(1, conv.in_channels, 5, device=device()))  # hooks removed on exit
+    assert len(timer.intervals) == 1
+
+
 def test_region_union_counts_overlapping_intervals_once():
     timer = e2e.RegionTimer()
     timer.start("cpu")
