@@ -368,6 +368,18 @@ def measure_layer(model, T: int, steps: int = 3, warmup: int = 1) -> dict:
 # ----------------------------------------------------------------------------------------------
 # CLI: one process per variant
 # ----------------------------------------------------------------------------------------------
+def _measured(model, T: int, args) -> dict:
+    """The row's measurements, or its status when the variant runs out of memory or fails."""
+    try:
+        if args.what == "layer":
+            return dict(what="layer", **measure_layer(model, T, steps=args.steps, warmup=args.warmup))
+        return dict(what="step", **measure(model, T, steps=args.steps, warmup=args.warmup))
+    except torch.cuda.OutOfMemoryError:
+        return dict(status="oom", note="out of memory")
+    except Exception as exc:  # a variant failing is a result
+        return dict(status="error", note=f"{type(exc).__name__}: {exc}"[:300])
+
+
 def _one_variant(args) -> None:
     """Runs in its own process: build, patch, measure every T, append JSON lines to --out."""
     from .bench import core
@@ -375,19 +387,16 @@ def _one_variant(args) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     info = core.run_info()
     model = build(args.size, args.layers, args.rank, device=device)
-    report = prepare(model, args.variant)
+    try:
+        report, missing = prepare(model, args.variant), ""
+    except ImportError as exc:  # a peer that is not installed is a row that says so
+        report, missing = None, f"not installed: {exc.name or exc}"
     for T in args.T:
         row = {"variant": args.variant, "T": T, "size": args.size, "layers": args.layers, "rank": args.rank,
-               "status": "ok", "note": "", "report": " ".join(str(report).split())[:300] if report else ""}
-        try:
-            if args.what == "layer":
-                row.update(what="layer", **measure_layer(model, T, steps=args.steps, warmup=args.warmup))
-            else:
-                row.update(what="step", **measure(model, T, steps=args.steps, warmup=args.warmup))
-        except torch.cuda.OutOfMemoryError:
-            row.update(status="oom", note="out of memory")
-        except Exception as exc:  # a variant failing is a result
-            row.update(status="error", note=f"{type(exc).__name__}: {exc}"[:300])
+               "status": "skipped" if missing else "ok", "note": missing,
+               "report": " ".join(str(report).split())[:300] if report else ""}
+        if not missing:
+            row.update(_measured(model, T, args))
         if device.type == "cuda":
             torch.cuda.empty_cache()
         row.update(info)
