@@ -368,12 +368,22 @@ def measure_layer(model, T: int, steps: int = 3, warmup: int = 1) -> dict:
 # ----------------------------------------------------------------------------------------------
 # CLI: one process per variant
 # ----------------------------------------------------------------------------------------------
+def _sizes(args):
+    """The requested T, then with --fit longer ones (×1.25, multiples of 4096) until one fails."""
+    yield from args.T
+    T = max(args.T)
+    while args.fit and T < args.fit_max:
+        T = min(args.fit_max, max(T + 4096, int(T * 1.25) // 4096 * 4096))
+        yield T
+
+
 def _measured(model, T: int, args) -> dict:
     """The row's measurements, or its status when the variant runs out of memory or fails."""
+    steps, warmup = (args.steps, args.warmup) if T in args.T else (1, 0)  # --fit asks only: does it fit?
     try:
         if args.what == "layer":
-            return dict(what="layer", **measure_layer(model, T, steps=args.steps, warmup=args.warmup))
-        return dict(what="step", **measure(model, T, steps=args.steps, warmup=args.warmup))
+            return dict(what="layer", **measure_layer(model, T, steps=steps, warmup=warmup))
+        return dict(what="step", **measure(model, T, steps=steps, warmup=warmup))
     except torch.cuda.OutOfMemoryError:
         return dict(status="oom", note="out of memory")
     except Exception as exc:  # a variant failing is a result
@@ -391,7 +401,7 @@ def _one_variant(args) -> None:
         report, missing = prepare(model, args.variant), ""
     except ImportError as exc:  # a peer that is not installed is a row that says so
         report, missing = None, f"not installed: {exc.name or exc}"
-    for T in args.T:
+    for T in _sizes(args):
         row = {"variant": args.variant, "T": T, "size": args.size, "layers": args.layers, "rank": args.rank,
                "status": "skipped" if missing else "ok", "note": missing,
                "report": " ".join(str(report).split())[:300] if report else ""}
@@ -410,7 +420,7 @@ def _one_variant(args) -> None:
                   f"outside core {row.get('outside_core_ms', math.nan):9.1f} ms, peak {row.get('peak_gib', math.nan):6.1f} GiB",
                   flush=True)
         if row["status"] == "oom":
-            break  # longer sequences will not fit either
+            break  # longer sequences will not fit either (and --fit has found its limit)
 
 
 def main(argv=None) -> int:
@@ -424,6 +434,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--fit", action="store_true",
+                        help="after --T, longer sequences until one runs out of memory: the longest that fits")
+    parser.add_argument("--fit-max", type=int, default=512 * 1024)
     parser.add_argument("--out", required=True, help="CSV to write (a .jsonl of the same name collects the rows)")
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # the child process's one variant
     args = parser.parse_args(argv)
@@ -440,7 +453,8 @@ def main(argv=None) -> int:
         child = [sys.executable, "-m", "q35lab.e2e", "--variant", variant, "--out", str(lines), "--what", args.what,
                  "--size", args.size,
                  "--layers", str(args.layers), "--rank", str(args.rank), "--steps", str(args.steps),
-                 "--warmup", str(args.warmup), "--T", *map(str, args.T)]
+                 "--warmup", str(args.warmup), "--fit-max", str(args.fit_max), *(["--fit"] if args.fit else []),
+                 "--T", *map(str, args.T)]
         if subprocess.run(child).returncode != 0:
             with open(lines, "a") as f:
                 f.write(json.dumps({"variant": variant, "status": "error", "note": "the process failed"}) + "\n")

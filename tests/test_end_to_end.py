@@ -148,6 +148,16 @@ def test_one_gated_delta_net_layer_is_timed_with_its_in_proj_share(patched):
     assert 0 < result["in_proj_share"] < 1
 
 
+def test_fit_asks_for_longer_sequences_up_to_the_limit():
+    import argparse
+
+    args = argparse.Namespace(T=[8192, 32768], fit=True, fit_max=100_000)
+    sizes = list(e2e._sizes(args))
+    assert sizes[:2] == [8192, 32768] and sizes[-1] == 100_000
+    assert all(b > a for a, b in zip(sizes[1:], sizes[2:])) and all(t % 4096 == 0 for t in sizes[2:-1])
+    assert list(e2e._sizes(argparse.Namespace(T=[4096], fit=False, fit_max=100_000))) == [4096]
+
+
 def test_toy_corpus_follows_its_rule():
     data = e2e.toy_corpus(50, 12, 97, seed=1)
     steps = (data[:, 1:] - data[:, :-1]) % 97
