@@ -19,5 +19,10 @@ VOCAB = 248_320  # vocab_size
 SWEEP_T = [1024 * 2**i for i in range(8)]
 #: `--quick`: the sizes the goals are stated at.
 QUICK_T = [8 * 1024, 32 * 1024, 128 * 1024]
+#: The LoRA projections' sweeps (GEMM-bound, four setups × several variants each): 1k … 64k.
+LORA_SWEEP_T = [1024, 4096, 16 * 1024, 32 * 1024, 64 * 1024]
+LORA_QUICK_T = [8 * 1024, 32 * 1024]
+#: GEMM-bound ops are timed on the pass a training step runs, where their goals are set.
+TRAINING_PASS = ("fwd+bwd",)
 #: Smoke mode (no GPU, through the interpreter): correctness only.
 SMOKE_T = [3, 17]

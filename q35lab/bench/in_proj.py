@@ -142,9 +142,9 @@ BENCH = OpBench(
     },
     check=check,
     ours="q35lab",
-    passes=("fwd+bwd",),  # what a training step runs; the goals are set on it
-    sweep=[1024, 4096, 16 * 1024, 32 * 1024, 64 * 1024],  # the issues ask 1k … 64k
-    quick=[8 * 1024, 32 * 1024],
+    passes=shapes.TRAINING_PASS,
+    sweep=shapes.LORA_SWEEP_T,
+    quick=shapes.LORA_QUICK_T,
     variants={"": {}, "autocast": {"autocast": True}},
     metric="time",
 )
