@@ -32,10 +32,8 @@ def main():
     base = op._default_config(WIDTH)
     candidates = {
         "fwd": [dict(fwd_block_rows=r, fwd_warps=w) for r, w in itertools.product([8, 16, 32, 64], [1, 2, 4, 8])],
-        "bwd": [dict(bwd_block_rows=r, bwd_warps=w, bwd_tiles_per_program=t, bwd_programs_per_sm=0)
-                for r, w, t in itertools.product([8, 16, 32], [2, 4, 8], [1, 2, 4])]
-               + [dict(bwd_block_rows=r, bwd_warps=w, bwd_programs_per_sm=p, bwd_stages=st)  # persistent, strided
-                  for r, w, p, st in itertools.product([16, 32], [4, 8], [1, 2, 4], [1, 2])],
+        "bwd": [dict(bwd_block_rows=r, bwd_warps=w, bwd_tiles_per_program=t)
+                for r, w, t in itertools.product([8, 16, 32], [2, 4, 8], [1, 2, 4, 8])],
         "bwd_frozen_w": [dict(frozen_block_rows=r, frozen_warps=w) for r, w in itertools.product([8, 16, 32, 64], [1, 2, 4, 8])],
     }
     rows = []

@@ -1,13 +1,10 @@
 """The fused gated RMSNorm against transformers' math (and fla's), by the DESIGN.md rule."""
 
-import dataclasses
-
 import pytest
 import torch
 
 import q35lab
 from q35lab.numerics import agreement, assert_close_by_rule
-from q35lab.ops import gated_rms_norm as op
 from q35lab.ops.gated_rms_norm import GatedRMSNorm, gated_rms_norm, gated_rms_norm_ref
 from q35lab.runtime import device
 
@@ -53,20 +50,6 @@ def test_forward_and_all_gradients_match_reference(shape, dtype, rounding):
 @pytest.mark.parametrize("n_rows", [1, 15, 16, 17, 200])  # tiles of 16/32 rows, 4 programs on CPU
 def test_row_counts_around_the_tile(n_rows, rounding):
     _check((n_rows, 128), torch.bfloat16, rounding)
-
-
-@pytest.mark.parametrize("schedule", [
-    dict(bwd_tiles_per_program=3, bwd_programs_per_sm=0),  # unrolled tiles, a last program partly empty
-    dict(bwd_programs_per_sm=1, bwd_stages=2),  # persistent: 4 programs striding over the tiles on CPU
-], ids=["tiles", "persistent"])
-@pytest.mark.parametrize("n_rows", [5, 8, 77])
-def test_backward_schedules(monkeypatch, schedule, n_rows):
-    """Every backward schedule the tuner may pick gives the rule's answer, at tile counts below,
-    at and above the number of programs."""
-    base = op._default_config(128)
-    monkeypatch.setattr(op, "CONFIG_OVERRIDE", dataclasses.replace(base, bwd_block_rows=8, **schedule))
-    _check((n_rows, 128), torch.bfloat16, "hf")
-    _check((n_rows, 128), torch.float32, "fused")
 
 
 @pytest.mark.parametrize("rounding", ["hf", "fused"])
