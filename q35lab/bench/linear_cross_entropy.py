@@ -7,8 +7,7 @@ Implementations (each skipped, and said so, where not installed):
 * ``liger``: ``LigerFusedLinearCrossEntropyLoss``;
 * ``cut-cross-entropy``: ``cut_cross_entropy.linear_cross_entropy`` with its defaults;
 * ``torch``: ``torch.nn.functional.linear_cross_entropy`` where the installed torch has it;
-* ``q35lab``: ``q35lab.linear_cross_entropy``; and, for a trainable head, the same with
-  ``weight_grad="recompute"`` (dW block by block of the vocabulary).
+* ``q35lab``: ``q35lab.linear_cross_entropy``.
 
 Variants: trainable head and frozen head (LoRA). Only the training pass (forward + backward) is
 timed: fused implementations do the backward's work in the forward. GEMM-bound: reported as
@@ -23,7 +22,7 @@ import torch
 
 from .. import shapes
 from ..ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
-from .spec import NotApplicable, OpBench
+from .spec import OpBench
 
 HIDDEN, VOCAB = shapes.HIDDEN, shapes.VOCAB
 
@@ -49,8 +48,6 @@ def _loss_fn(kind: str):
         return lambda x, w, t: linear_cross_entropy_ref(x, w, t)
     if kind == "q35lab":
         return lambda x, w, t: linear_cross_entropy(x, w, t)
-    if kind == "q35lab-recompute":
-        return lambda x, w, t: linear_cross_entropy(x, w, t, weight_grad="recompute")
     if kind == "torch":
         return lambda x, w, t: torch.nn.functional.linear_cross_entropy(x, w, t)
     if kind == "liger":
@@ -67,8 +64,6 @@ def _loss_fn(kind: str):
 
 def _setup(kind: str):
     def make(data: dict, frozen: bool = False):
-        if frozen and kind == "q35lab-recompute":
-            raise NotApplicable("a frozen head has no weight gradient to make another way")
         x = data["x"].detach().requires_grad_()
         w = data["W"].detach().requires_grad_(not frozen)
         fn = _loss_fn(kind)
@@ -134,13 +129,11 @@ BENCH = OpBench(
         "cut-cross-entropy": (_setup("cut-cross-entropy"), ("cut_cross_entropy",)),
         # torch's own, where the installed version has it (PyTorch ≥ 2.13)
         **({"torch": (_setup("torch"), ())} if hasattr(torch.nn.functional, "linear_cross_entropy") else {}),
-        # the trainable head's gradient made block by block of the vocabulary (less memory)
-        "q35lab (dW by vocabulary blocks)": (_setup("q35lab-recompute"), ()),
         "q35lab": (_setup("q35lab"), ()),
     },
     check=check,
     ours="q35lab",
-    passes=shapes.TRAINING_PASS,
+    passes=("fwd+bwd",),
     sweep=[1024, 4096, 16 * 1024, 32 * 1024, 64 * 1024, 128 * 1024],
     quick=[16 * 1024],
     smoke=[5],
