@@ -5,6 +5,7 @@ import torch
 
 import q35lab
 from q35lab.numerics import assert_close_by_rule
+from q35lab.ops import linear_cross_entropy as lce_op
 from q35lab.ops.linear_cross_entropy import default_chunk_size, linear_cross_entropy, linear_cross_entropy_ref
 from q35lab.runtime import device
 
