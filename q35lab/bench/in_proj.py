@@ -13,14 +13,14 @@ Variants: with and without bf16 autocast. GEMM-bound: reported as time.
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 
 from .. import shapes
 from ..numerics import rule_rows, with_grads
 from ..ops.fused_projections import ConcatCache, Projection, fused_lora_projections, fused_lora_projections_ref
-from .spec import OpBench
+from .lora import load_adapter
+from .spec import OpBench, autocast_if, no_bytes_model
 
 HIDDEN = shapes.HIDDEN
 KEY_DIM = shapes.GDN_KEY_HEADS * shapes.GDN_HEAD_DIM  # 2048
@@ -52,10 +52,6 @@ def make_inputs(T: int, device, dtype=torch.bfloat16) -> dict:
     return data
 
 
-def bytes_model(T: int, pass_: str) -> int:
-    """GEMM-bound: compared by time (the GB/s columns stay empty)."""
-    return 0
-
 
 def _build(data: dict, adapters: bool, adapter_fp32: bool = True):
     module = _InProjections().to(device=data["x"].device, dtype=data["x"].dtype).requires_grad_(False)
@@ -69,13 +65,7 @@ def _build(data: dict, adapters: bool, adapter_fp32: bool = True):
     config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(OUT_FEATURES))
     model = peft.get_peft_model(module, config, autocast_adapter_dtype=adapter_fp32)
     inner = model.base_model.model
-    params = []
-    with torch.no_grad():
-        for name in OUT_FEATURES:
-            layer = getattr(inner, name)
-            layer.lora_A["default"].weight.copy_(data[f"A.{name}"])
-            layer.lora_B["default"].weight.copy_(data[f"B.{name}"])
-            params += [layer.lora_A["default"].weight, layer.lora_B["default"].weight]
+    params = [p for name in OUT_FEATURES for p in load_adapter(getattr(inner, name), data[f"A.{name}"], data[f"B.{name}"])]
     return inner, params
 
 
@@ -97,8 +87,7 @@ def _setup(kind: str):
             run = inner
 
         def forward():
-            amp = torch.autocast(device_type=x.device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-            with amp:
+            with autocast_if(autocast, x.device.type):
                 return tuple(run(x))
 
         return forward, [x, *params], data["dy"]
@@ -132,7 +121,7 @@ BENCH = OpBench(
     name="in_proj",
     title=f"GatedDeltaNet in_proj: 4 projections of hidden {HIDDEN}, r = {RANK}, bf16 base",
     make_inputs=make_inputs,
-    bytes_model=bytes_model,
+    bytes_model=no_bytes_model,
     impls={
         "4 bases (frozen)": (_setup("base"), ()),
         "peft": (_setup("peft"), ("peft",)),

@@ -22,7 +22,7 @@ import torch
 
 from .. import shapes
 from ..ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
-from .spec import OpBench
+from .spec import OpBench, no_bytes_model
 
 HIDDEN, VOCAB = shapes.HIDDEN, shapes.VOCAB
 
@@ -37,10 +37,6 @@ def make_inputs(T: int, device, dtype=torch.bfloat16, vocab: int = VOCAB) -> dic
         "dy": torch.tensor(1.0, device=device, dtype=torch.float32),
     }
 
-
-def bytes_model(T: int, pass_: str) -> int:
-    """GEMM-bound: compared by time (the GB/s columns stay empty)."""
-    return 0
 
 
 def _loss_fn(kind: str):
@@ -122,7 +118,7 @@ BENCH = OpBench(
     name="linear_cross_entropy",
     title=f"Linear cross entropy, hidden {HIDDEN}, vocabulary {VOCAB:,}, bf16",
     make_inputs=make_inputs,
-    bytes_model=bytes_model,
+    bytes_model=no_bytes_model,
     impls={
         "transformers": (_setup("transformers"), ()),
         "liger": (_setup("liger"), ("liger_kernel",)),

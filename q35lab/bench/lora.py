@@ -18,14 +18,13 @@ backward). GEMM-bound: reported as time, not bandwidth.
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 
 from .. import shapes
 from ..numerics import rule_rows, with_grads
 from ..ops.lora import lora_linear, lora_linear_ref
-from .spec import NotApplicable, OpBench
+from .spec import NotApplicable, OpBench, autocast_if, no_bytes_model
 
 IN_FEATURES = OUT_FEATURES = shapes.HIDDEN
 RANK, ALPHA = 16, 32
@@ -42,10 +41,6 @@ def make_inputs(T: int, device, dtype=torch.bfloat16) -> dict:
     }
 
 
-def bytes_model(T: int, pass_: str) -> int:
-    """GEMM-bound: no bytes model (the CSV's GB/s columns stay empty); compared by time."""
-    return 0
-
 
 def _peft_layer(data: dict, adapter_fp32: bool = True):
     import peft
@@ -57,10 +52,17 @@ def _peft_layer(data: dict, adapter_fp32: bool = True):
     config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["0"])
     model = peft.get_peft_model(base, config, autocast_adapter_dtype=adapter_fp32)
     layer = model.base_model.model[0]
-    with torch.no_grad():
-        layer.lora_A["default"].weight.copy_(data["A"])
-        layer.lora_B["default"].weight.copy_(data["B"])
+    load_adapter(layer, data["A"], data["B"])
     return model, layer
+
+
+def load_adapter(layer, A: torch.Tensor, B: torch.Tensor) -> list[torch.Tensor]:
+    """Give a PEFT LoRA layer's default adapter these values; returns its (A, B) parameters."""
+    params = [layer.lora_A["default"].weight, layer.lora_B["default"].weight]
+    with torch.no_grad():
+        for param, value in zip(params, (A, B)):
+            param.copy_(value)
+    return params
 
 
 def _setup(kind: str):
@@ -93,8 +95,7 @@ def _setup(kind: str):
                 module = model
 
         def forward():
-            amp = torch.autocast(device_type=x.device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-            with amp:
+            with autocast_if(autocast, x.device.type):
                 if checkpoint:
                     return torch.utils.checkpoint.checkpoint(module, x, use_reentrant=False)
                 return module(x)
@@ -124,7 +125,7 @@ BENCH = OpBench(
     name="lora",
     title=f"LoRA projection {IN_FEATURES}→{OUT_FEATURES}, r = {RANK}, bf16 base",
     make_inputs=make_inputs,
-    bytes_model=bytes_model,
+    bytes_model=no_bytes_model,
     impls={
         "base (frozen)": (_setup("base"), ()),
         "peft": (_setup("peft"), ("peft",)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -38,6 +39,16 @@ class OpBench:
     variants: dict[str, dict] = field(default_factory=lambda: {"": {}})
     #: "bandwidth" (GB/s of the bytes model, memory-bound ops) or "time" (ms, GEMM-bound ops).
     metric: str = "bandwidth"
+
+
+def no_bytes_model(T: int, pass_: str) -> int:
+    """For GEMM-bound ops (metric "time"): no minimal-traffic model, so the GB/s columns stay empty."""
+    return 0
+
+
+def autocast_if(on: bool, device_type: str):
+    """bf16 autocast when ``on`` (a variant of the LoRA benches), else a context that does nothing."""
+    return torch.autocast(device_type=device_type, dtype=torch.bfloat16) if on else contextlib.nullcontext()
 
 
 def module_impl(build: Callable[[], Callable[[int], torch.nn.Module]], inputs: tuple[str, ...] = ("x",),
