@@ -137,10 +137,28 @@ def _chunks(n_rows: int, chunk_size: int):
         yield slice(start, min(start + chunk_size, n_rows))
 
 
+def _chunked_pass(x2d, weight, target, scale, loss_rows, ignore_index, chunk_size, want_dx, want_dw):
+    """Chunks of tokens, each with its full rows of logits: every token's loss into ``loss_rows``
+    and, when a gradient is wanted, the logit gradient in place (weighted by ``scale``), then the
+    chunk's dx and its share of dW (fp32, cast once at the end). Returns (dx or None, dW or None)."""
+    grads = want_dx or want_dw
+    dx = torch.empty_like(x2d) if want_dx else None
+    dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_dw else None
+    w = weight.to(x2d.dtype)
+    for rows in _chunks(x2d.shape[0], chunk_size):
+        logits = x2d[rows] @ w.t()  # [C, V]: the only logits that exist at a time
+        _ce_rows(logits, target[rows], scale[rows], loss_rows[rows], ignore_index, compute_grad=grads)
+        if dx is not None:
+            torch.mm(logits, w, out=dx[rows])
+        if dw is not None:
+            _accumulate(dw, logits.t(), x2d[rows])
+    return dx, (None if dw is None else dw.to(weight.dtype))
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, weight, target, ignore_index: int, reduction: str, chunk_size: int):
-        n_rows, vocab = x2d.shape[0], weight.shape[0]
+        n_rows = x2d.shape[0]
         needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         valid = target != ignore_index
         n_valid = valid.sum()
@@ -150,18 +168,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             scale = valid.float() / n_valid.clamp_min(1)
         else:
             scale = valid.float()
-        dx = torch.empty_like(x2d) if grads_now and needs_dx else None
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads_now and needs_dw else None
-        w = weight.to(x2d.dtype)
-        for rows in _chunks(n_rows, chunk_size):
-            logits = x2d[rows] @ w.t()  # [C, V]: the only logits that ever exist
-            _ce_rows(logits, target[rows], scale[rows], loss_rows[rows], ignore_index, compute_grad=grads_now)
-            if dx is not None:
-                torch.mm(logits, w, out=dx[rows])
-            if dw is not None:
-                _accumulate(dw, logits.t(), x2d[rows])
-        if dw is not None:
-            dw = dw.to(weight.dtype)
+        dx, dw = _chunked_pass(x2d, weight, target, scale, loss_rows, ignore_index, chunk_size,
+                               grads_now and needs_dx, grads_now and needs_dw)
         ctx.reduction, ctx.ignore_index, ctx.chunk_size, ctx.grads_now = reduction, ignore_index, chunk_size, grads_now
         if grads_now:
             ctx.save_for_backward(dx, dw)
@@ -183,20 +191,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 dw.mul_(grad_loss.to(dw.dtype))
             return dx, dw, None, None, None, None
         x2d, weight, target = ctx.saved_tensors  # reduction="none": per-token upstream weights
-        needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        scale = grad_loss.to(torch.float32).contiguous()
-        dx = torch.empty_like(x2d) if needs_dx else None
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_dw else None
-        w = weight.to(x2d.dtype)
-        scratch = torch.empty(min(ctx.chunk_size, x2d.shape[0]), dtype=torch.float32, device=x2d.device)
-        for rows in _chunks(x2d.shape[0], ctx.chunk_size):
-            logits = x2d[rows] @ w.t()  # recomputed: the statistics come again with the gradient
-            _ce_rows(logits, target[rows], scale[rows], scratch, ctx.ignore_index, compute_grad=True)
-            if dx is not None:
-                torch.mm(logits, w, out=dx[rows])
-            if dw is not None:
-                _accumulate(dw, logits.t(), x2d[rows])
-        return dx, (None if dw is None else dw.to(weight.dtype)), None, None, None, None
+        # the logits and their statistics are recomputed; the losses go to a scratch buffer
+        scratch = torch.empty(x2d.shape[0], dtype=torch.float32, device=x2d.device)
+        dx, dw = _chunked_pass(x2d, weight, target, grad_loss.to(torch.float32).contiguous(), scratch,
+                               ctx.ignore_index, ctx.chunk_size, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        return dx, dw, None, None, None, None
 
 
 def linear_cross_entropy(input, linear_weight, target, *, ignore_index: int = -100, reduction: str = "mean",
