@@ -141,7 +141,10 @@ class _Stamp:
             self.time = time.perf_counter()
 
     def ms_until(self, end: "_Stamp") -> float:
-        return self.event.elapsed_time(end.event) if self.event is not None else 1e3 * (end.time - self.time)
+        if self.event is None:
+            return 1e3 * (end.time - self.time)
+        end.event.synchronize()  # an event still queued behind the step's kernels has no time yet
+        return self.event.elapsed_time(end.event)
 
 
 class RegionTimer:
