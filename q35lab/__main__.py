@@ -52,6 +52,8 @@ def main(argv=None) -> int:
     bench.add_argument("ops", nargs="*", help="ops to run (default: all)")
     bench.add_argument("--quick", action="store_true", help="only the sizes the goals are stated at")
     bench.add_argument("--out", type=Path, default=None, help="data folder (default: the checkout's data/)")
+    bench.add_argument("--T", type=int, nargs="+", default=None,
+                       help="only these sizes; the CSV keeps its rows at other sizes (finishing a cut-short sweep)")
     check = sub.add_parser("check", help="numerics rule for forward and every gradient")
     check.add_argument("ops", nargs="*")
     plots = sub.add_parser("plots", help="redraw data/figures from the committed CSVs")
@@ -71,7 +73,7 @@ def main(argv=None) -> int:
             print("No CUDA GPU: running the correctness checks through the Triton interpreter at tiny "
                   "sizes. Speed needs a GPU (see README: results measured on an H200 are in data/).")
         return 0 if _check_and_record(args.ops or None, getattr(args, "out", None)) else 1
-    written = harness.run(args.ops or None, quick=args.quick, out=args.out)
+    written = harness.run(args.ops or None, quick=args.quick, sizes=args.T, out=args.out)
     import pandas as pd
 
     for op, path in written.items():

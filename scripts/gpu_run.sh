@@ -6,7 +6,8 @@
 #   usage (on the GPU machine, from the checkout):
 #     OPS="gated_rms_norm" STEPS=tune,check,bench,notebooks NOTEBOOKS=02_gated_rmsnorm.ipynb \
 #       TIMEOUT_bench=150 STEP_TIMEOUT=60 bash scripts/gpu_run.sh [--quick]
-#   TESTS picks the test files (default: all of tests/). Steps layer and e2e take LAYER_VARIANTS,
+#   TESTS picks the test files (default: all of tests/); BENCH_T="16384 32768" measures only those
+#   sizes and keeps the CSV's other rows. Steps layer and e2e take LAYER_VARIANTS,
 #   LAYER_T, E2E_VARIANTS, E2E_T (space-separated) and E2E_FIT=1 (search the longest T that fits).
 #
 # flash-linear-attention is installed only for steps that measure it: with it, a Qwen3.5
@@ -52,7 +53,7 @@ fi
     --variants ${E2E_VARIANTS:-peft peft+liger q35lab} --T ${E2E_T:-8192 32768} ${E2E_FIT:+--fit} \
     --out data/bench/$gpu/end_to_end.csv
 [[ $STEPS == *check* ]] && step check env PYTHONPATH=$WITH_FLA python3 -m q35lab check $OPS
-[[ $STEPS == *bench* ]] && step bench env PYTHONPATH=$WITH_FLA python3 -m q35lab bench $OPS "$@"
+[[ $STEPS == *bench* ]] && step bench env PYTHONPATH=$WITH_FLA python3 -m q35lab bench $OPS ${BENCH_T:+--T $BENCH_T} "$@"
 [[ $STEPS == *bench* ]] && step plots python3 -m q35lab plots
 if [[ $STEPS == *notebooks* ]]; then
   (cd notebooks && step notebooks env PYTHONPATH=$WITH_FLA python3 -m pytest -q -p no:cacheprovider -o addopts="" \

@@ -147,3 +147,15 @@ def test_linear_cross_entropy_setups_run():
             assert len(torch.autograd.grad(loss, grads, dy)) == (1 if options.get("frozen") else 2)
             losses[impl] = loss.item()
     assert losses["q35lab"] == pytest.approx(losses["transformers"], rel=1e-2)
+
+
+def test_sizes_given_keep_the_other_rows_of_the_results_file(tmp_path):
+    from q35lab.bench import _rows_kept
+
+    rows = [{**{k: "" for k in core.SCHEMA}, "op": "lora", "impl": impl, "T": T}
+            for T in (1024, 4096, 16384) for impl in ("a", "b")]
+    path = core.write_csv(rows, tmp_path / "lora.csv")
+    kept = _rows_kept(path, [4096, 65536])
+    assert sorted({int(r["T"]) for r in kept}) == [1024, 16384]
+    assert len(kept) == 4 and set(kept[0]) == set(core.SCHEMA)
+    assert _rows_kept(tmp_path / "missing.csv", [1024]) == []

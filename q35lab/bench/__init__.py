@@ -6,6 +6,8 @@ listing this package, so adding an op touches neither this file nor ``core``.
 
 from __future__ import annotations
 
+import csv
+
 import importlib
 import importlib.util
 import math
@@ -103,8 +105,13 @@ def _measure_impl(bench: OpBench, impl_name: str, T: int, ceilings: core.Ceiling
     return rows
 
 
-def run(ops=None, *, quick: bool = False, out: Path | None = None, progress: bool = True) -> dict[str, Path]:
-    """Sweep ``ops`` on this GPU and write ``<out>/bench/<gpu>/<op>.csv``; returns the paths."""
+def run(ops=None, *, quick: bool = False, sizes: list[int] | None = None, out: Path | None = None,
+        progress: bool = True) -> dict[str, Path]:
+    """Sweep ``ops`` on this GPU and write ``<out>/bench/<gpu>/<op>.csv``; returns the paths.
+
+    With ``sizes``, only those T are measured and the file keeps its rows at every other T (each
+    row still compares the peers measured in the same run at its T; ``commit``/``date`` tell runs
+    apart)."""
     if runtime.smoke():
         raise RuntimeError("bench.run measures speed and needs a CUDA GPU; on a CPU, bench.check() checks correctness")
     from tqdm.auto import tqdm
@@ -116,15 +123,22 @@ def run(ops=None, *, quick: bool = False, out: Path | None = None, progress: boo
     print(f"{info['gpu']}: copy {ceilings.copy_gbps:.0f} GB/s, bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s")
     written = {}
     for bench in _select(ops):
-        sizes = bench.quick if quick else bench.sweep
         path = out / "bench" / core.gpu_slug(info["gpu"]) / f"{bench.name}.csv"
-        rows = []
-        todo = [(T, impl) for T in sizes for impl in bench.impls]
+        rows = _rows_kept(path, sizes) if sizes else []
+        todo = [(T, impl) for T in (sizes or (bench.quick if quick else bench.sweep)) for impl in bench.impls]
         for T, impl_name in tqdm(todo, desc=bench.name, disable=not progress):
             rows += _measure_impl(bench, impl_name, T, ceilings, info)
             core.write_csv(rows, path)  # after every case: a run cut short keeps what it measured
         written[bench.name] = path
     return written
+
+
+def _rows_kept(path: Path, sizes: list[int]) -> list[dict]:
+    """The rows of an existing results file at sizes other than ``sizes``."""
+    if not path.exists():
+        return []
+    with path.open(newline="") as f:
+        return [row for row in csv.DictReader(f) if int(row["T"]) not in sizes]
 
 
 def check(ops=None, *, sizes: list[int] | None = None, dtypes=(torch.bfloat16, torch.float32)) -> list[dict]:
