@@ -2,9 +2,13 @@
 
 The chunk (rows of logits held at once) trades memory for GEMM size: small chunks make thin
 GEMMs and, with a trainable head, one more read and write of the fp32 dW accumulator per chunk.
-For the trainable and the frozen head, each chunk size is measured (kernel time from the
-profiler, extra peak memory) at hidden 4096, vocabulary 248,320, bf16; the smallest chunk within
-2% of the fastest is recorded in q35lab/ops/tuned.json for this GPU.
+A trainable head's gradient can also be made block by block of the vocabulary in a second pass
+(``weight_grad="recompute"``: a fourth matmul, but no fp32 [V, H] buffer). For the trainable head
+(both ways) and the frozen head, each chunk size is measured (kernel time from the profiler,
+extra peak memory) at hidden 4096, vocabulary 248,320, bf16. Recorded in q35lab/ops/tuned.json
+for this GPU: per head, the smallest chunk within 2% of the fastest; for the trainable head
+"recompute" if its best time is within 5% of "accumulate"'s (then memory decides), else
+"accumulate".
 
     python scripts/tune_linear_cross_entropy.py --out data/bench/<gpu>/linear_cross_entropy_tuning.csv
 """
@@ -21,6 +25,8 @@ from q35lab.ops.linear_cross_entropy import linear_cross_entropy
 
 #: A chunk within this factor of the fastest counts as fast: among those the smallest is kept.
 WITHIN = 1.02
+#: "recompute" (less memory) is chosen when its best time is within this factor of "accumulate"'s.
+RECOMPUTE_WITHIN = 1.05
 
 
 def main():
@@ -35,29 +41,40 @@ def main():
     x = torch.randn(args.T, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     target = torch.randint(0, vocab, (args.T,), device="cuda")
     rows, best = [], {}
-    for head in ("trainable", "frozen"):
+    for head, weight_grad in (("trainable", "accumulate"), ("trainable", "recompute"), ("frozen", "accumulate")):
         w = (torch.randn(vocab, hidden, device="cuda") / hidden**0.5).to(torch.bfloat16)
         w.requires_grad_(head == "trainable")
         wanted = [x, w] if head == "trainable" else [x]
         for chunk in args.chunks:
             def step(chunk=chunk):
-                return torch.autograd.grad(linear_cross_entropy(x, w, target, chunk_size=chunk), wanted)
+                loss = linear_cross_entropy(x, w, target, chunk_size=chunk, weight_grad=weight_grad)
+                return torch.autograd.grad(loss, wanted)
 
             timing = core.measure([step])
-            rows.append(dict(head=head, T=args.T, chunk_rows=chunk, status=timing.status, kernel_ms=timing.kernel_ms,
-                             wall_ms=timing.wall_ms, extra_peak_mb=timing.extra_peak_mb,
+            rows.append(dict(head=head, weight_grad=weight_grad, T=args.T, chunk_rows=chunk, status=timing.status,
+                             kernel_ms=timing.kernel_ms, wall_ms=timing.wall_ms, extra_peak_mb=timing.extra_peak_mb,
                              matmuls=timing.kernel_ms / one_matmul_ms, matmul_tflops=matmul_tflops))
         del w
-        ok = pd.DataFrame([r for r in rows if r["head"] == head and r["status"] == "ok"])
-        if len(ok):
-            fast = ok[ok.kernel_ms <= WITHIN * ok.kernel_ms.min()]
-            best[f"chunk_rows_{head}"] = int(fast.chunk_rows.min())
-    df = pd.DataFrame(rows)
-    df.to_csv(args.out, index=False, float_format="%.5g")
+    table = pd.DataFrame(rows)
+    ok = table[table.status == "ok"]
+    fastest = {}
+    for (head, weight_grad), runs in ok.groupby(["head", "weight_grad"]):
+        fast = runs[runs.kernel_ms <= WITHIN * runs.kernel_ms.min()]
+        fastest[head, weight_grad] = (int(fast.chunk_rows.min()), runs.kernel_ms.min())
+    if ("frozen", "accumulate") in fastest:
+        best["chunk_rows_frozen"] = fastest["frozen", "accumulate"][0]
+    trainable = {weight_grad: v for (head, weight_grad), v in fastest.items() if head == "trainable"}
+    if trainable:
+        mode = "recompute" if ("recompute" in trainable and (
+            "accumulate" not in trainable or trainable["recompute"][1] <= RECOMPUTE_WITHIN * trainable["accumulate"][1]
+        )) else "accumulate"
+        best["weight_grad"] = mode
+        best["chunk_rows_trainable"] = trainable[mode][0]
+    table.to_csv(args.out, index=False, float_format="%.5g")
     if best:
         _tuned.save("linear_cross_entropy", f"{vocab}x{hidden}", best, torch.cuda.get_device_name())
     print(f"bf16 matmul {matmul_tflops:.0f} TFLOP/s; one logits matmul at T={args.T}: {one_matmul_ms:.1f} ms; saved {best}")
-    print(df[["head", "chunk_rows", "status", "kernel_ms", "matmuls", "extra_peak_mb"]].to_string(index=False))
+    print(table[["head", "weight_grad", "chunk_rows", "status", "kernel_ms", "matmuls", "extra_peak_mb"]].to_string(index=False))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ Implementations (each skipped, and said so, where not installed):
 * ``liger``: ``LigerFusedLinearCrossEntropyLoss``;
 * ``cut-cross-entropy``: ``cut_cross_entropy.linear_cross_entropy`` with its defaults;
 * ``torch``: ``torch.nn.functional.linear_cross_entropy`` where the installed torch has it;
-* ``q35lab``: ``q35lab.linear_cross_entropy``.
+* ``q35lab``: ``q35lab.linear_cross_entropy``; and, for a trainable head, the same with
+  ``weight_grad="recompute"`` (dW block by block of the vocabulary).
 
 Variants: trainable head and frozen head (LoRA). Only the training pass (forward + backward) is
 timed: fused implementations do the backward's work in the forward. GEMM-bound: reported as
@@ -22,7 +23,7 @@ import torch
 
 from .. import shapes
 from ..ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
-from .spec import OpBench, no_bytes_model
+from .spec import NotApplicable, OpBench, no_bytes_model
 
 HIDDEN, VOCAB = shapes.HIDDEN, shapes.VOCAB
 
@@ -44,6 +45,8 @@ def _loss_fn(kind: str):
         return lambda x, w, t: linear_cross_entropy_ref(x, w, t)
     if kind == "q35lab":
         return lambda x, w, t: linear_cross_entropy(x, w, t)
+    if kind == "q35lab-recompute":
+        return lambda x, w, t: linear_cross_entropy(x, w, t, weight_grad="recompute")
     if kind == "torch":
         return lambda x, w, t: torch.nn.functional.linear_cross_entropy(x, w, t)
     if kind == "liger":
@@ -60,6 +63,8 @@ def _loss_fn(kind: str):
 
 def _setup(kind: str):
     def make(data: dict, frozen: bool = False):
+        if frozen and kind == "q35lab-recompute":
+            raise NotApplicable("a frozen head has no weight gradient to make another way")
         x = data["x"].detach().requires_grad_()
         w = data["W"].detach().requires_grad_(not frozen)
         fn = _loss_fn(kind)
@@ -125,11 +130,13 @@ BENCH = OpBench(
         "cut-cross-entropy": (_setup("cut-cross-entropy"), ("cut_cross_entropy",)),
         # torch's own, where the installed version has it (PyTorch ≥ 2.13)
         **({"torch": (_setup("torch"), ())} if hasattr(torch.nn.functional, "linear_cross_entropy") else {}),
+        # the trainable head's gradient made block by block of the vocabulary (less memory)
+        "q35lab (dW by vocabulary blocks)": (_setup("q35lab-recompute"), ()),
         "q35lab": (_setup("q35lab"), ()),
     },
     check=check,
     ours="q35lab",
-    passes=("fwd+bwd",),
+    passes=shapes.TRAINING_PASS,
     sweep=[1024, 4096, 16 * 1024, 32 * 1024, 64 * 1024, 128 * 1024],
     quick=[16 * 1024],
     smoke=[5],

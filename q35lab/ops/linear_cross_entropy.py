@@ -14,7 +14,8 @@ gradient of loss_i) and ``p_i = softmax(z_i)``::
     dx_i = dz_i · W,      dW = Σ_i dz_iᵀ · x_i
 
 Tokens are processed in chunks: per chunk one GEMM makes its logits ([C, V] in the compute
-dtype), one Triton kernel turns each row into its loss and — in place — its logit gradient, and
+dtype), two Triton kernels turn each row into its loss and — in place — its logit gradient (a
+row is split across programs: partial max and Σexp first, then the combined statistics), and
 two GEMMs give the chunk's dx and its share of dW, accumulated in fp32 (cast once at the end).
 Only one chunk of logits ever exists. For the
 "mean" and "sum" reductions the gradients are computed during the forward (the upstream gradient
@@ -39,6 +40,7 @@ __all__ = ["linear_cross_entropy", "linear_cross_entropy_ref", "LinearCrossEntro
 #: GEMM size. ``linear_cross_entropy(..., chunk_size=N)`` overrides the rows per chunk directly.
 CHUNK_BYTES = 256 * 2**20
 REDUCTIONS = ("mean", "sum", "none")
+WEIGHT_GRADS = ("auto", "accumulate", "recompute")
 
 
 def linear_cross_entropy_ref(input, linear_weight, target, *, ignore_index=-100, reduction="mean"):
@@ -50,58 +52,146 @@ def linear_cross_entropy_ref(input, linear_weight, target, *, ignore_index=-100,
         target.shape if reduction == "none" else ())
 
 
+#: Columns of one row that one program handles. A chunk has few rows (512 at this vocabulary) and
+#: each is 248,320 wide: one program per row would leave the GPU with 512 long serial loops, so
+#: a row is split across programs, which first record a partial (max, Σexp) each.
+SPLIT_COLS = 16384
+
+
 @triton.jit
-def _ce_rows_kernel(
+def _ce_partial_stats_kernel(
+    LOGITS,  # [n_rows, n_cols]
+    PART_MAX,  # [n_rows, n_splits] fp32 out: max of the split's logits
+    PART_SUM,  # [n_rows, n_splits] fp32 out: Σ exp(z − that max) over the split
+    n_cols,
+    stride,
+    cols_per_split,  # a multiple of BLOCK
+    n_splits,
+    BLOCK: tl.constexpr,
+):
+    """Online max and Σexp (fp32) over one split of one row."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    base = LOGITS + row * stride
+    first = split * cols_per_split
+    last = tl.minimum(first + cols_per_split, n_cols)
+    running_max = tl.full([], -float("inf"), tl.float32)
+    running_sum = tl.zeros([], tl.float32)
+    for start in range(first, last, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        z = tl.load(base + cols, mask=cols < last, other=-float("inf")).to(tl.float32)
+        new_max = tl.maximum(running_max, tl.max(z, axis=0))
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
+        running_max = new_max
+    tl.store(PART_MAX + row * n_splits + split, running_max)
+    tl.store(PART_SUM + row * n_splits + split, running_sum)
+
+
+@triton.jit
+def _ce_finish_kernel(
     LOGITS,  # [n_rows, n_cols]: logits in; with COMPUTE_GRAD their gradient out, in place
     TARGET,  # [n_rows] int64
     SCALE,  # [n_rows] fp32: g_i, the weight of each row's loss in the reduction
     LOSS,  # [n_rows] fp32 out: lse − z_target, 0 for ignored rows
+    PART_MAX,
+    PART_SUM,  # [n_rows, n_splits] fp32, from _ce_partial_stats_kernel
+    LSE,  # [n_rows] fp32 out when WRITE_LSE: log Σ exp z, for a later pass over the vocabulary
     n_cols,
     stride,
     ignore_index,
+    cols_per_split,
+    n_splits,
+    SPLITS: tl.constexpr,  # n_splits rounded up to a power of two
     BLOCK: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
-    """One row per program: an online max and Σexp in fp32, then (optionally) g·(softmax − onehot).
+    """Combine the row's partials: m = max_s m_s, Σ = Σ_s Σ_s·exp(m_s − m); the first split writes
+    the loss lse − z_t = m + log Σ − z_t; with COMPUTE_GRAD every split writes
+    g·(exp(z − m)/Σ − onehot(t)) over its columns.
 
-    The softmax is exp(z − max) / Σ, not exp(z − lse): z − max is exact for the largest logits,
+    The softmax is exp(z − m) / Σ, not exp(z − lse): z − m is exact for the largest logits,
     where the gradient is largest, while lse carries a rounding of its own.
     """
     row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
     base = LOGITS + row * stride
+    parts = tl.arange(0, SPLITS)
+    part_mask = parts < n_splits
+    part_max = tl.load(PART_MAX + row * n_splits + parts, mask=part_mask, other=-float("inf"))
+    part_sum = tl.load(PART_SUM + row * n_splits + parts, mask=part_mask, other=0.0)
+    row_max = tl.max(part_max, axis=0)
+    row_sum = tl.sum(part_sum * tl.exp(part_max - row_max), axis=0)
     target = tl.load(TARGET + row)
     ignored = target == ignore_index
-    running_max = tl.full([], -float("inf"), tl.float32)
-    running_sum = tl.zeros([], tl.float32)
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        z = tl.load(base + cols, mask=cols < n_cols, other=-float("inf")).to(tl.float32)
-        new_max = tl.maximum(running_max, tl.max(z, axis=0))
-        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
-        running_max = new_max
-    safe_target = tl.where(ignored, 0, target)
-    z_target = tl.load(base + safe_target).to(tl.float32)
-    tl.store(LOSS + row, tl.where(ignored, 0.0, (running_max - z_target) + tl.log(running_sum)))
+    if split == 0:
+        z_target = tl.load(base + tl.where(ignored, 0, target)).to(tl.float32)
+        tl.store(LOSS + row, tl.where(ignored, 0.0, (row_max - z_target) + tl.log(row_sum)))
+        if WRITE_LSE:
+            tl.store(LSE + row, row_max + tl.log(row_sum))
     if COMPUTE_GRAD:
         scale = tl.where(ignored, 0.0, tl.load(SCALE + row))
-        inv_sum = 1.0 / running_sum
-        for start in range(0, n_cols, BLOCK):
+        inv_sum = 1.0 / row_sum
+        first = split * cols_per_split
+        last = tl.minimum(first + cols_per_split, n_cols)
+        for start in range(first, last, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            mask = cols < n_cols
+            mask = cols < last
             z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-            grad = tl.exp(z - running_max) * inv_sum - tl.where(cols == target, 1.0, 0.0)
+            grad = tl.exp(z - row_max) * inv_sum - tl.where(cols == target, 1.0, 0.0)
             tl.store(base + cols, (grad * scale).to(LOGITS.dtype.element_ty), mask=mask)
 
 
-def _ce_rows(logits, target, scale, loss, ignore_index, compute_grad):
+def _ce_rows(logits, target, scale, loss, ignore_index, compute_grad, lse=None):
+    """Per row of ``logits``: the loss into ``loss``, with ``compute_grad`` the logit gradient
+    over the logits (in place), and the log-sum-exp into ``lse`` if given. Two launches over a
+    (rows × splits) grid."""
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
-    block = min(8192, triton.next_power_of_2(n_cols))
-    _ce_rows_kernel[(n_rows,)](
-        logits, target, scale, loss, n_cols, logits.stride(0), ignore_index,
-        BLOCK=block, COMPUTE_GRAD=compute_grad, num_warps=8 if block >= 4096 else 4,
+    block = min(4096, triton.next_power_of_2(min(n_cols, SPLIT_COLS)))
+    cols_per_split = triton.cdiv(SPLIT_COLS, block) * block
+    n_splits = triton.cdiv(n_cols, cols_per_split)
+    part_max = torch.empty((n_rows, n_splits), dtype=torch.float32, device=logits.device)
+    part_sum = torch.empty_like(part_max)
+    warps = 8 if block >= 4096 else 4
+    _ce_partial_stats_kernel[(n_rows, n_splits)](
+        logits, part_max, part_sum, n_cols, logits.stride(0), cols_per_split, n_splits, BLOCK=block, num_warps=warps,
     )
+    _ce_finish_kernel[(n_rows, n_splits)](
+        logits, target, scale, loss, part_max, part_sum, loss if lse is None else lse, n_cols, logits.stride(0),
+        ignore_index, cols_per_split, n_splits, SPLITS=triton.next_power_of_2(n_splits), BLOCK=block,
+        COMPUTE_GRAD=compute_grad, WRITE_LSE=lse is not None, num_warps=warps,
+    )
+
+
+@triton.jit
+def _softmax_grad_kernel(
+    Z,  # [n_rows, n_cols]: one block of the vocabulary's logits in; their gradient out, in place
+    LSE,  # [n_rows] fp32
+    TARGET,  # [n_rows] int64
+    SCALE,  # [n_rows] fp32
+    n_rows,
+    n_cols,
+    stride,
+    first_class,  # the vocabulary index of column 0
+    ignore_index,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    """dz_ij = g_i · (exp(z_ij − lse_i) − [first_class + j = t_i]), 0 for ignored rows."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & (cols < n_cols)[None, :]
+    offsets = rows.to(tl.int64)[:, None] * stride + cols[None, :]
+    z = tl.load(Z + offsets, mask=mask, other=0.0).to(tl.float32)
+    lse = tl.load(LSE + rows, mask=row_mask, other=0.0)
+    target = tl.load(TARGET + rows, mask=row_mask, other=ignore_index)
+    scale = tl.where(target == ignore_index, 0.0, tl.load(SCALE + rows, mask=row_mask, other=0.0))
+    onehot = tl.where((first_class + cols)[None, :] == target[:, None], 1.0, 0.0)
+    grad = (tl.exp(z - lse[:, None]) - onehot) * scale[:, None]
+    tl.store(Z + offsets, grad.to(Z.dtype.element_ty), mask=mask)
 
 
 def default_chunk_size(n_rows: int, vocab: int, dtype: torch.dtype, hidden: int | None = None,
@@ -137,27 +227,58 @@ def _chunks(n_rows: int, chunk_size: int):
         yield slice(start, min(start + chunk_size, n_rows))
 
 
-def _chunked_pass(x2d, weight, target, scale, loss_rows, ignore_index, chunk_size, want_dx, want_dw):
+def _weight_grad_by_vocab_blocks(x2d, w, target, scale, lse, ignore_index, out_dtype):
+    """dW block by block of the vocabulary, over every token at once: recompute the block's
+    logits ([T, Vb]), turn them into their gradient with the saved log-sum-exp, and make
+    dW_b = dz_bᵀ·x in one GEMM whose fp32 accumulator spans all T tokens (one rounding, and no
+    [V, H] fp32 buffer: the price is a fourth logits-sized matmul)."""
+    n_rows, vocab = x2d.shape[0], w.shape[0]
+    block = max(1, min(vocab, CHUNK_BYTES // (n_rows * x2d.element_size())))
+    dw = torch.empty((vocab, w.shape[1]), dtype=out_dtype, device=x2d.device)
+    for first in range(0, vocab, block):
+        classes = slice(first, min(first + block, vocab))
+        z = x2d @ w[classes].t()  # [T, Vb]
+        grid = (triton.cdiv(n_rows, 16), triton.cdiv(z.shape[1], 256))
+        _softmax_grad_kernel[grid](z, lse, target, scale, n_rows, z.shape[1], z.stride(0), first, ignore_index,
+                                   BLOCK_ROWS=16, BLOCK_COLS=256, num_warps=4)
+        if out_dtype == x2d.dtype:
+            torch.mm(z.t(), x2d, out=dw[classes])
+        else:  # e.g. an fp32 head with bf16 activations: accumulate in fp32, as the other path
+            acc = torch.zeros((z.shape[1], x2d.shape[1]), dtype=torch.float32, device=x2d.device)
+            _accumulate(acc, z.t(), x2d)
+            dw[classes] = acc.to(out_dtype)
+    return dw
+
+
+def _chunked_pass(x2d, weight, target, scale, loss_rows, ignore_index, chunk_size, want_dx, want_dw,
+                  weight_grad="accumulate"):
     """Chunks of tokens, each with its full rows of logits: every token's loss into ``loss_rows``
     and, when a gradient is wanted, the logit gradient in place (weighted by ``scale``), then the
-    chunk's dx and its share of dW (fp32, cast once at the end). Returns (dx or None, dW or None)."""
-    grads = want_dx or want_dw
+    chunk's dx and its share of dW (fp32, cast once at the end). With ``weight_grad="recompute"``
+    dW is not accumulated here: the pass records each token's log-sum-exp instead and
+    ``_weight_grad_by_vocab_blocks`` makes dW afterwards. Returns (dx or None, dW or None)."""
+    by_blocks = want_dw and weight_grad == "recompute"
     dx = torch.empty_like(x2d) if want_dx else None
-    dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_dw else None
+    dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_dw and not by_blocks else None
+    lse = torch.empty(x2d.shape[0], dtype=torch.float32, device=x2d.device) if by_blocks else None
+    grads = dx is not None or dw is not None  # only dx and the accumulated dW read the logit gradient
     w = weight.to(x2d.dtype)
     for rows in _chunks(x2d.shape[0], chunk_size):
         logits = x2d[rows] @ w.t()  # [C, V]: the only logits that exist at a time
-        _ce_rows(logits, target[rows], scale[rows], loss_rows[rows], ignore_index, compute_grad=grads)
+        _ce_rows(logits, target[rows], scale[rows], loss_rows[rows], ignore_index, compute_grad=grads,
+                 lse=None if lse is None else lse[rows])
         if dx is not None:
             torch.mm(logits, w, out=dx[rows])
         if dw is not None:
             _accumulate(dw, logits.t(), x2d[rows])
+    if by_blocks:
+        return dx, _weight_grad_by_vocab_blocks(x2d, w, target, scale, lse, ignore_index, weight.dtype)
     return dx, (None if dw is None else dw.to(weight.dtype))
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, weight, target, ignore_index: int, reduction: str, chunk_size: int):
+    def forward(ctx, x2d, weight, target, ignore_index: int, reduction: str, chunk_size: int, weight_grad: str):
         n_rows = x2d.shape[0]
         needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         valid = target != ignore_index
@@ -169,8 +290,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         else:
             scale = valid.float()
         dx, dw = _chunked_pass(x2d, weight, target, scale, loss_rows, ignore_index, chunk_size,
-                               grads_now and needs_dx, grads_now and needs_dw)
+                               grads_now and needs_dx, grads_now and needs_dw, weight_grad)
         ctx.reduction, ctx.ignore_index, ctx.chunk_size, ctx.grads_now = reduction, ignore_index, chunk_size, grads_now
+        ctx.weight_grad = weight_grad
         if grads_now:
             ctx.save_for_backward(dx, dw)
         else:
@@ -189,17 +311,18 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 dx.mul_(grad_loss.to(dx.dtype))
             if dw is not None:
                 dw.mul_(grad_loss.to(dw.dtype))
-            return dx, dw, None, None, None, None
+            return dx, dw, None, None, None, None, None
         x2d, weight, target = ctx.saved_tensors  # reduction="none": per-token upstream weights
         # the logits and their statistics are recomputed; the losses go to a scratch buffer
         scratch = torch.empty(x2d.shape[0], dtype=torch.float32, device=x2d.device)
         dx, dw = _chunked_pass(x2d, weight, target, grad_loss.to(torch.float32).contiguous(), scratch,
-                               ctx.ignore_index, ctx.chunk_size, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        return dx, dw, None, None, None, None
+                               ctx.ignore_index, ctx.chunk_size, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                               ctx.weight_grad)
+        return dx, dw, None, None, None, None, None
 
 
 def linear_cross_entropy(input, linear_weight, target, *, ignore_index: int = -100, reduction: str = "mean",
-                         chunk_size: int | None = None):
+                         chunk_size: int | None = None, weight_grad: str = "auto"):
     """``cross_entropy(linear(input, linear_weight), target)`` without materialising the logits.
 
     Mirrors ``torch.nn.functional.linear_cross_entropy`` (PyTorch ≥ 2.13): ``input`` [..., H],
@@ -207,6 +330,15 @@ def linear_cross_entropy(input, linear_weight, target, *, ignore_index: int = -1
     fp32; gradients for ``input`` and ``linear_weight`` (skipped when it does not require grad,
     the usual LoRA case). ``chunk_size`` (rows of logits held at once) defaults to what
     ``CHUNK_BYTES`` allows. A batch whose targets are all ignored gives loss 0 and zero gradients.
+
+    ``weight_grad`` picks how a trainable head's gradient is made: ``"accumulate"`` adds each
+    chunk's share into an fp32 ``[V, H]`` buffer (three logits-sized matmuls; the buffer is twice
+    the gradient's size), ``"recompute"`` makes it block by block of the vocabulary in a second
+    pass (four matmuls; no buffer beyond the gradient itself), ``"auto"`` the one tuned for this
+    GPU, else ``"accumulate"``. "recompute" normalises the second pass's logits with the first
+    pass's log-sum-exp; the two passes' GEMMs differ in shape and may round a logit differently
+    in its last bit, so its dW carries an error of about one ulp of the largest logit, relative:
+    below the rounding of bf16 logits, above fp32's for logits in the hundreds.
     """
     check_float_tensor("input", input)
     check_float_tensor("linear_weight", linear_weight)
@@ -230,10 +362,15 @@ def linear_cross_entropy(input, linear_weight, target, *, ignore_index: int = -1
                          f"got {flat_target[bad][0].item()}")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
+    if weight_grad not in WEIGHT_GRADS:
+        raise ValueError(f"weight_grad: expected one of {WEIGHT_GRADS}, got {weight_grad!r}")
     dtype = _compute_dtype(input)
     x2d = input.reshape(-1, input.shape[-1]).to(dtype).contiguous()
     chunk = chunk_size or default_chunk_size(x2d.shape[0], vocab, dtype, x2d.shape[1], linear_weight.requires_grad)
+    if weight_grad == "auto":
+        tuned = tuned_fields("linear_cross_entropy", f"{vocab}x{x2d.shape[1]}") or {}
+        weight_grad = tuned.get("weight_grad", "accumulate")
     with torch.autocast(device_type=input.device.type, enabled=False):
         loss = LinearCrossEntropyFunction.apply(x2d, linear_weight, flat_target.contiguous(), int(ignore_index),
-                                                reduction, int(chunk))
+                                                reduction, int(chunk), weight_grad)
     return loss.reshape(target.shape) if reduction == "none" else loss
