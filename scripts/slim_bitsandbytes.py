@@ -1,0 +1,39 @@
+"""Repack a bitsandbytes wheel with only the native libraries the H200 machine loads.
+
+The device tool carries at most 64 MiB of ignored paths; bitsandbytes' wheel (43 MB) ships a
+library for every CUDA, ROCm and XPU release. axolotl's LoRA kernels import it (for QLoRA
+dequantisation, which a bf16 base never calls), so the LoRA and in_proj benches need it. Keeping
+the CPU and CUDA 13.x libraries (torch 2.11+cu130 there) leaves about 8 MB.
+
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_24_x86_64 bitsandbytes -d /tmp/bnb
+    python3 scripts/slim_bitsandbytes.py /tmp/bnb/bitsandbytes-*.whl .whl/
+"""
+
+import re
+import sys
+import zipfile
+from pathlib import Path
+
+KEEP = re.compile(r"libbitsandbytes_(cpu|cuda13\d)\.so$")
+
+
+def slim(wheel: Path, out_dir: Path) -> Path:
+    """Copy ``wheel`` to ``out_dir`` without the native libraries KEEP does not match."""
+    out = out_dir / wheel.name
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
+        dropped = {n for n in src.namelist() if n.endswith(".so") and not KEEP.search(n)}
+        for item in src.infolist():
+            if item.filename in dropped:
+                continue
+            data = src.read(item)
+            if item.filename.endswith(".dist-info/RECORD"):  # pip checks the listed files exist
+                lines = data.decode().splitlines(keepends=True)
+                data = "".join(line for line in lines if line.split(",")[0] not in dropped).encode()
+            dst.writestr(item, data)
+    return out
+
+
+if __name__ == "__main__":
+    path = slim(Path(sys.argv[1]), Path(sys.argv[2]))
+    print(f"{path}: {path.stat().st_size / 1e6:.1f} MB")
