@@ -164,3 +164,12 @@ def test_sizes_given_keep_the_other_rows_of_the_results_file(tmp_path):
     assert sorted({int(r["T"]) for r in kept}) == [1024, 16384]
     assert len(kept) == 4 and set(kept[0]) == set(core.SCHEMA)
     assert _rows_kept(tmp_path / "missing.csv", [1024]) == []
+
+
+def test_input_sets_rotate_enough_bytes_and_no_more():
+    from q35lab.bench import _n_input_sets, _tensor_bytes
+
+    data = {"x": torch.empty(1, 1024, 4096, dtype=torch.bfloat16), "dy": (torch.empty(3, 5), torch.empty(2))}
+    assert _tensor_bytes(data) == 2 * 1024 * 4096 + 4 * 15 + 4 * 2
+    assert _n_input_sets(0) == 16 and _n_input_sets(core.ROTATE_BYTES // 3) == 4
+    assert _n_input_sets(core.ROTATE_BYTES) == 1 and _n_input_sets(10 * core.ROTATE_BYTES) == 1

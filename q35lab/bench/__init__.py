@@ -78,12 +78,33 @@ def _configure_compile() -> None:
             setattr(torch._dynamo.config, name, 256)
 
 
+def _tensor_bytes(value) -> int:
+    """Bytes of every tensor in ``value`` (a tensor, or dicts/tuples/lists of them)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def _n_input_sets(footprint: int) -> int:
+    """How many input sets to rotate so that consecutive calls touch ROTATE_BYTES (twice the L2
+    and more) and none finds its data in the cache: 1 to 16. ``footprint``: a call's traffic
+    (the op's bytes model) or, for GEMM-bound ops without one, its inputs' bytes — each set costs
+    a model build for the PEFT benches, so sixteen sets where one suffices made a case seconds long."""
+    return max(1, min(16, math.ceil(core.ROTATE_BYTES / max(footprint, 1))))
+
+
 def _measure_impl(bench: OpBench, impl_name: str, T: int, ceilings: core.Ceilings, info: dict) -> list[dict]:
     """Every pass of one implementation at one size, as CSV rows."""
     make, needs = bench.impls[impl_name]
     skip = _missing(needs)
-    n_sets = max(1, min(16, math.ceil(core.ROTATE_BYTES / max(bench.bytes_model(T, "fwd+bwd"), 1))))
-    inputs_sets = [bench.make_inputs(T, runtime.device()) for _ in range(n_sets)] if not skip else []
+    inputs_sets = [] if skip else [bench.make_inputs(T, runtime.device())]
+    if inputs_sets:
+        footprint = bench.bytes_model(T, "fwd+bwd") or _tensor_bytes(inputs_sets[0])
+        inputs_sets += [bench.make_inputs(T, runtime.device()) for _ in range(_n_input_sets(footprint) - 1)]
     rows = []
     for (variant, options), pass_ in ((v, p) for v in bench.variants.items() for p in bench.passes):
         case = core.Case(bench.name, impl_name, pass_, T, variant=variant, bytes=bench.bytes_model(T, pass_))
