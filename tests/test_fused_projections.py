@@ -63,6 +63,23 @@ def test_unused_outputs_get_no_gradient_and_cost_nothing_wrong():
         torch.testing.assert_close(a, torch.zeros_like(a) if b is None else b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("narrow", [0, 16, 1000])  # every projection wide / b, a narrow / all narrow
+@pytest.mark.parametrize("dropout", [0.0, 0.25])
+def test_input_gradient_whichever_projections_join_the_thin_gemm(monkeypatch, narrow, dropout):
+    from q35lab.ops import fused_projections
+
+    monkeypatch.setattr(fused_projections, "NARROW_FEATURES", narrow)
+    ps = _projections((True, False, True, True), dropout=dropout)
+    x = torch.randn(3, 5, K, device=device(), requires_grad=True)
+    torch.manual_seed(11)
+    outs = fused_lora_projections(x, ps)
+    torch.manual_seed(11)
+    draws = iter([int(torch.randint(0, 2**62, (1,)).item()) for p in ps if p.has_adapter])  # one per adapter
+    seeds = [next(draws) if p.has_adapter else None for p in ps]
+    refs = fused_lora_projections_ref(x, ps, seeds)
+    _assert_same_outputs_and_gradients(outs, refs, x, ps)
+
+
 def test_dropout_uses_one_mask_per_projection_like_peft():
     ps = _projections(dropout=0.25)
     x = torch.randn(6, K, device=device(), requires_grad=True)
