@@ -127,6 +127,30 @@ def test_a_tuned_chunk_size_is_used_for_its_shape_and_head_mode(monkeypatch):
     assert default_chunk_size(100_000, 248_320, torch.bfloat16, 5120) == 512  # another shape: the memory rule
 
 
+@pytest.mark.parametrize("head_trainable", [True, False])
+def test_one_chunk_of_logits_alive_at_a_time(monkeypatch, head_trainable):
+    """The chunk loop frees a chunk's logits before the next chunk's GEMM allocates its own."""
+    import weakref
+
+    chunks_seen, original_ce, original_chunks = [], lce_op._ce_rows, lce_op._chunks
+
+    def ce_rows(logits, *args, **kwargs):
+        chunks_seen.append(weakref.ref(logits))
+        return original_ce(logits, *args, **kwargs)
+
+    def chunks(*args, **kwargs):
+        for rows in original_chunks(*args, **kwargs):
+            assert all(ref() is None for ref in chunks_seen), "the previous chunk's logits are still alive"
+            yield rows
+
+    monkeypatch.setattr(lce_op, "_ce_rows", ce_rows)
+    monkeypatch.setattr(lce_op, "_chunks", chunks)
+    x = torch.randn(11, 16, device=device(), requires_grad=True)
+    w = torch.randn(37, 16, device=device(), requires_grad=head_trainable)
+    linear_cross_entropy(x, w, torch.randint(0, 37, (11,), device=device()), chunk_size=3).backward()
+    assert len(chunks_seen) == 4
+
+
 def test_public_name():
     assert q35lab.linear_cross_entropy is linear_cross_entropy
 

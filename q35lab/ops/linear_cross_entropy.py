@@ -247,6 +247,7 @@ def _weight_grad_by_vocab_blocks(x2d, w, target, scale, lse, ignore_index, out_d
             acc = torch.zeros((z.shape[1], x2d.shape[1]), dtype=torch.float32, device=x2d.device)
             _accumulate(acc, z.t(), x2d)
             dw[classes] = acc.to(out_dtype)
+        del z  # before the next block's GEMM allocates its own, not after: one block alive at a time
     return dw
 
 
@@ -264,13 +265,16 @@ def _chunked_pass(x2d, weight, target, scale, loss_rows, ignore_index, chunk_siz
     grads = dx is not None or dw is not None  # only dx and the accumulated dW read the logit gradient
     w = weight.to(x2d.dtype)
     for rows in _chunks(x2d.shape[0], chunk_size):
-        logits = x2d[rows] @ w.t()  # [C, V]: the only logits that exist at a time
+        logits = x2d[rows] @ w.t()  # [C, V]: the only logits that exist at a time (see the del below)
         _ce_rows(logits, target[rows], scale[rows], loss_rows[rows], ignore_index, compute_grad=grads,
                  lse=None if lse is None else lse[rows])
         if dx is not None:
             torch.mm(logits, w, out=dx[rows])
         if dw is not None:
             _accumulate(dw, logits.t(), x2d[rows])
+        # Freed here: rebinding `logits` to the next chunk's GEMM output would free this chunk
+        # only after that output is allocated, so two chunks of logits would peak together.
+        del logits
     if by_blocks:
         return dx, _weight_grad_by_vocab_blocks(x2d, w, target, scale, lse, ignore_index, weight.dtype)
     return dx, (None if dw is None else dw.to(weight.dtype))
