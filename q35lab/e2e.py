@@ -440,7 +440,8 @@ def main(argv=None) -> int:
     parser.add_argument("--fit", action="store_true",
                         help="after --T, longer sequences until one runs out of memory: the longest that fits")
     parser.add_argument("--fit-max", type=int, default=512 * 1024)
-    parser.add_argument("--out", required=True, help="CSV to write (a .jsonl of the same name collects the rows)")
+    parser.add_argument("--out", required=True, help="CSV to write; rows of a variant and T measured again replace theirs, others are kept "
+                        "(a .jsonl of the same name collects the rows)")
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # the child process's one variant
     args = parser.parse_args(argv)
     if args.variant:
@@ -462,9 +463,24 @@ def main(argv=None) -> int:
             with open(lines, "a") as f:
                 f.write(json.dumps({"variant": variant, "status": "error", "note": "the process failed"}) + "\n")
     rows = [json.loads(line) for line in lines.read_text().splitlines()] if lines.exists() else []
-    pd.DataFrame(rows).to_csv(out, index=False, float_format="%.5g")
+    merge_rows(out, rows).to_csv(out, index=False, float_format="%.5g")
     lines.unlink(missing_ok=True)
     return 0
+
+
+def merge_rows(path: Path, rows: list[dict]):
+    """This run's rows, after the rows already in ``path`` that it did not measure again (another
+    variant, or another T of the same variant): results gathered over several device calls."""
+    import pandas as pd
+
+    new = pd.DataFrame(rows)
+    if not path.exists() or path.stat().st_size == 0:
+        return new
+    old = pd.read_csv(path)
+    if {"variant", "T"} <= set(old.columns) and {"variant", "T"} <= set(new.columns):
+        measured = set(zip(new["variant"], new["T"]))
+        old = old[[(v, t) not in measured for v, t in zip(old["variant"], old["T"])]]
+    return pd.concat([old, new], ignore_index=True)
 
 
 if __name__ == "__main__":

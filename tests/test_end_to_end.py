@@ -168,3 +168,15 @@ def test_toy_corpus_follows_its_rule():
 def test_unknown_variant_is_refused():
     with pytest.raises(ValueError, match="variant"):
         e2e.prepare(_model(), "fastest")
+
+
+def test_a_second_run_keeps_the_rows_it_did_not_measure_again(tmp_path):
+    path = tmp_path / "end_to_end.csv"
+    first = [{"variant": v, "T": t, "step_ms": 1.0} for v in ("peft", "q35lab") for t in (8192, 32768)]
+    e2e.merge_rows(path, first).to_csv(path, index=False)
+    merged = e2e.merge_rows(path, [{"variant": "q35lab", "T": 32768, "step_ms": 2.0},
+                                   {"variant": "q35lab:flce", "T": 32768, "step_ms": 3.0}])
+    assert len(merged) == 5
+    assert merged.set_index(["variant", "T"]).loc[("q35lab", 32768), "step_ms"] == 2.0
+    assert merged.set_index(["variant", "T"]).loc[("peft", 8192), "step_ms"] == 1.0
+    assert len(e2e.merge_rows(tmp_path / "absent.csv", first)) == 4
