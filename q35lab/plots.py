@@ -131,6 +131,36 @@ def op_figure(df, title: str, ours: str, metric: str = "bandwidth"):
     return fig
 
 
+def ablation_waterfall(at, baseline: str = "peft", full: str = "q35lab", column: str = "outside_core_ms"):
+    """Which optimization buys what: ``column`` of ``baseline``, each ``full:<flag>`` variant's
+    saving alone as a step down (largest first), then what switching all on together adds or
+    gives back beyond the sum of the parts, ending at ``full``.
+
+    ``at``: one row per variant (index: variant names) at one T. Returns the figure, or None when
+    the baseline, the full variant or every single-flag variant is missing."""
+    singles = [v for v in at.index if v.startswith(f"{full}:")]
+    if baseline not in at.index or full not in at.index or not singles:
+        return None
+    savings = (at.loc[baseline, column] - at.loc[singles, column]).sort_values(ascending=False)
+    interaction = (at.loc[baseline, column] - savings.sum()) - at.loc[full, column]
+    labels = [baseline] + [v.split(":", 1)[1] for v in savings.index] + ["together", full]
+    level, bottoms, heights, colors = at.loc[baseline, column], [0.0], [at.loc[baseline, column]], ["0.6"]
+    for step in (*savings.values, interaction):
+        level -= step
+        bottoms.append(level if step >= 0 else level + step)
+        heights.append(abs(step))
+        colors.append(color_of(full) if step >= 0 else "0.8")
+    bottoms.append(0.0)
+    heights.append(at.loc[full, column])
+    colors.append(color_of(full))
+    fig, ax = plt.subplots(figsize=(1.1 * len(labels) + 2, 3.6))
+    ax.bar(labels, heights, bottom=bottoms, color=colors, edgecolor="black", linewidth=0.5)
+    ax.set_ylabel(column.replace("_", " "))
+    ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    return fig
+
+
 def figure_name(op: str, variant: str, gpu_slug: str) -> str:
     """data/figures/ file name: ``<op>_<gpu>.png``, or ``<op>-<variant>_<gpu>.png``."""
     tag = "".join(c if c.isalnum() else "-" for c in variant)

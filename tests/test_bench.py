@@ -173,3 +173,19 @@ def test_input_sets_rotate_enough_bytes_and_no_more():
     assert _tensor_bytes(data) == 2 * 1024 * 4096 + 4 * 15 + 4 * 2
     assert _n_input_sets(0) == 16 and _n_input_sets(core.ROTATE_BYTES // 3) == 4
     assert _n_input_sets(core.ROTATE_BYTES) == 1 and _n_input_sets(10 * core.ROTATE_BYTES) == 1
+
+
+def test_ablation_waterfall_steps_from_the_baseline_to_the_full_variant():
+    import pandas as pd
+
+    at = pd.DataFrame({"outside_core_ms": {"peft": 900.0, "q35lab": 640.0, "q35lab:flce": 700.0,
+                                           "q35lab:lora": 850.0, "q35lab:rms_norm": 890.0}})
+    fig = plots.ablation_waterfall(at)
+    bars = fig.axes[0].patches
+    assert [b.get_height() for b in bars] == pytest.approx([900, 200, 50, 10, 0, 640])  # together: 0 here
+    assert bars[1].get_y() == pytest.approx(700) and bars[-1].get_y() == 0
+    at.loc["q35lab", "outside_core_ms"] = 600.0  # together saves 40 ms more than the parts
+    bars = plots.ablation_waterfall(at).axes[0].patches
+    assert bars[4].get_height() == pytest.approx(40) and bars[4].get_y() == pytest.approx(600)
+    assert plots.ablation_waterfall(at.drop(index="peft")) is None
+    assert plots.ablation_waterfall(at.loc[["peft", "q35lab"]]) is None
