@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import q35lab
 from q35lab import e2e
@@ -180,3 +182,123 @@ def test_a_second_run_keeps_the_rows_it_did_not_measure_again(tmp_path):
     assert merged.set_index(["variant", "T"]).loc[("q35lab", 32768), "step_ms"] == 2.0
     assert merged.set_index(["variant", "T"]).loc[("peft", 8192), "step_ms"] == 1.0
     assert len(e2e.merge_rows(tmp_path / "absent.csv", first)) == 4
+
+
+# ----------------------------------------------------------------------------------------------
+# peft+axolotl: axolotl's own patches (skipped without axolotl, bitsandbytes, addict or liger-kernel)
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture
+def axolotl_on_this_device(monkeypatch):
+    """axolotl importable, its class-level patches undone after the test; on the CPU, stand-ins for
+    the CUDA-only plumbing around its kernels (the Triton kernels and autograd functions stay its own):
+    the gated norm's CUDA guard and SM-count query, the interpreter's missing libdevice ``rsqrt``,
+    and the SwiGLU launcher's output hard-coded on ``device="cuda"``."""
+    for name in ("bitsandbytes", "axolotl.kernels.lora", "axolotl.kernels.rms_norm_gated", "axolotl.utils.dict"):
+        pytest.importorskip(name)
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    classes = [hf.Qwen3_5Attention, hf.Qwen3_5DecoderLayer, hf.Qwen3_5GatedDeltaNet]
+    saved = [dict(vars(c)) for c in classes]
+    if device().type == "cpu":
+        import types
+
+        from axolotl.kernels import rms_norm_gated, swiglu
+
+        def swiglu_forward(gate, up):
+            out, n = torch.empty_like(gate), gate.numel()
+            swiglu._swiglu_fwd_kernel[(triton.cdiv(n, 1024),)](gate_ptr=gate, up_ptr=up, out_ptr=out, n_elements=n,
+                                                               block_size=1024)
+            return out
+
+        monkeypatch.setattr(rms_norm_gated, "rsqrt", _rsqrt)
+        monkeypatch.setattr(rms_norm_gated.FusedRMSNormGated, "forward", lambda self, x, gate: (
+            rms_norm_gated.FusedRMSNormGatedFunction.apply(x, gate, self.weight, self.variance_epsilon, self.offset)))
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda d: types.SimpleNamespace(multi_processor_count=4))
+        monkeypatch.setattr(swiglu, "swiglu_forward", swiglu_forward)
+    yield
+    for cls, attributes in zip(classes, saved):
+        for name in set(vars(cls)) - set(attributes):
+            delattr(cls, name)
+        for name, value in attributes.items():
+            if vars(cls).get(name) is not value:
+                setattr(cls, name, value)
+
+
+@triton.jit
+def _rsqrt(x):  # libdevice's, which the Triton interpreter lacks
+    return 1.0 / tl.sqrt(x)
+
+
+def _loss_and_lora_grads(model, ids):
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters() if "lora_" in n}
+
+
+def _counting(monkeypatch, module, names):
+    """Counts the calls of each autograd function ``names`` of ``module``."""
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        function = getattr(module, name)
+
+        def apply(*args, _name=name, _apply=function.apply, **kwargs):
+            calls[_name] += 1
+            return _apply(*args, **kwargs)
+
+        monkeypatch.setattr(function, "apply", apply)
+    return calls
+
+
+def test_axolotl_patches_match_peft_loss_and_lora_gradients(axolotl_on_this_device, monkeypatch):
+    from axolotl.kernels import lora
+
+    ids = e2e.toy_corpus(2, 24, 256, seed=9).to(device())
+    reference = _loss_and_lora_grads(_model(), ids)  # before axolotl's class-level patches
+    model = _model()
+    report = e2e.prepare(model, "peft+axolotl")
+    assert "lora_mlp_kernel on 4 MLPs, qkv on 1 and o on 1 attentions" in report and "gated norm 3" in report
+    calls = _counting(monkeypatch, lora, ["LoRA_MLP", "LoRA_QKV", "LoRA_O", "LoRA_FusedProj"])
+    with torch.no_grad():
+        model(input_ids=ids)
+    packed = "in_proj fused on 3" in report  # axolotl's packing forward, only where FLA is installed
+    assert calls == {"LoRA_MLP": 4, "LoRA_QKV": 1, "LoRA_O": 1 + 3 * packed, "LoRA_FusedProj": 3 * packed}
+    loss, grads = _loss_and_lora_grads(model, ids)
+    assert loss == pytest.approx(reference[0], rel=1e-5)
+    assert grads.keys() == reference[1].keys() and len(grads) == 62
+    for name, expected in reference[1].items():
+        assert (grads[name] - expected).abs().max() <= 1e-3 * expected.abs().max(), name
+
+
+def test_axolotl_packing_forward_runs_the_gated_delta_net_in_proj_and_out_proj_kernels(axolotl_on_this_device,
+                                                                                        monkeypatch):
+    """The forward axolotl installs for sample packing, on one GatedDeltaNet called without
+    position_ids (its dense path, no FLA needed); the whole model always passes position_ids,
+    which that forward hands to FLA's varlen kernels, so without FLA it refuses."""
+    from axolotl.kernels import lora
+
+    def layer_run(model):
+        gdn = next(m for m in model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet")
+        generator = torch.Generator(device="cpu").manual_seed(4)
+        x = torch.randn(2, 12, gdn.in_proj_qkv.in_features, generator=generator).to(device()).requires_grad_()
+        out = gdn(x)
+        out.backward(torch.randn(out.shape, generator=generator).to(device()))
+        return out.detach(), x.grad, {n: p.grad for n, p in gdn.named_parameters() if "lora_" in n}
+
+    reference = layer_run(_model())
+    model = _model()
+    report = e2e._axolotl_patches(model, packing=True)
+    assert "in_proj fused on 3 GatedDeltaNets, out_proj on 3" in report
+    calls = _counting(monkeypatch, lora, ["LoRA_FusedProj", "LoRA_O"])
+    out, dx, grads = layer_run(model)
+    assert calls == {"LoRA_FusedProj": 1, "LoRA_O": 1}
+    torch.testing.assert_close(out, reference[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dx, reference[1], rtol=1e-4, atol=1e-5)
+    assert grads.keys() == reference[2].keys() and len(grads) == 10
+    for name, expected in reference[2].items():
+        assert (grads[name] - expected).abs().max() <= 1e-3 * expected.abs().max(), name
+    from axolotl.monkeypatch.models.qwen3_5 import modeling
+
+    if modeling.fla_chunk_gated_delta_rule is None:
+        with pytest.raises(RuntimeError, match="flash-linear-attention"):
+            model(input_ids=e2e.toy_corpus(1, 8, 256).to(device()))
