@@ -82,7 +82,8 @@ def _setup(kind: str):
         elif kind == "axolotl":
             from axolotl.kernels.lora import apply_lora_gdn_in_proj
 
-            run = lambda t: apply_lora_gdn_in_proj(inner, t)  # noqa: E731
+            names = tuple(OUT_FEATURES)  # axolotl 0.21: (module, X, proj_names) -> {name: output}
+            run = lambda t: tuple(apply_lora_gdn_in_proj(inner, t, names)[n] for n in names)  # noqa: E731
         else:
             run = inner
 
