@@ -6,6 +6,8 @@
 #   usage (on the GPU machine, from the checkout):
 #     OPS="gated_rms_norm" STEPS=tune,check,bench,notebooks NOTEBOOKS=02_gated_rmsnorm.ipynb \
 #       TIMEOUT_bench=150 STEP_TIMEOUT=60 bash scripts/gpu_run.sh [--quick]
+#   TIMEOUT_notebooks is per notebook (each its own step and log). Logs go into results.tgz
+#   (q35lab-logs/), the only file under $OUT.
 #   TESTS picks the test files (default: all of tests/); BENCH_T="16384 32768" measures only those
 #   sizes and keeps the CSV's other rows. Steps layer and e2e take LAYER_VARIANTS,
 #   LAYER_T, E2E_VARIANTS, E2E_T (space-separated) and E2E_FIT=1 (search the longest T that fits).
@@ -29,11 +31,13 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 gpu=$(python3 -c "from q35lab.bench import core; print(core.gpu_slug())")
 mkdir -p data/bench/$gpu
 
+LOGS=/tmp/q35lab-logs; mkdir -p "$LOGS"  # packed into results.tgz: the device returns 8 files at most
 step() {  # step NAME COMMAND...: run with a time limit (TIMEOUT_<name> or STEP_TIMEOUT), log, pack
   local name=$1; shift
   local limit="TIMEOUT_${name%%_*}"
-  timeout "${!limit:-${STEP_TIMEOUT:-590}}" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v '%|' | tail -n 45
-  (cd "$ROOT" && tar czf "$OUT/results.tgz" data notebooks/*.ipynb $(ls q35lab/ops/tuned.json 2>/dev/null))
+  timeout "${!limit:-${STEP_TIMEOUT:-590}}" "$@" 2>&1 | tee "$LOGS/$name.log" | grep -v '%|' | tail -n 45
+  (cd "$ROOT" && tar czf "$OUT/results.tgz" data notebooks/*.ipynb $(ls q35lab/ops/tuned.json 2>/dev/null) \
+      -C "$LOGS/.." "$(basename "$LOGS")")
 }
 
 [[ $STEPS == *tests* ]] && step tests python3 -m pytest -q --maxfail=3 -p no:cacheprovider -o addopts="" ${TESTS:-tests}
@@ -55,8 +59,10 @@ fi
 [[ $STEPS == *check* ]] && step check env PYTHONPATH=$WITH_FLA python3 -m q35lab check $OPS
 [[ $STEPS == *bench* ]] && step bench env PYTHONPATH=$WITH_FLA python3 -m q35lab bench $OPS ${BENCH_T:+--T $BENCH_T} "$@"
 [[ $STEPS == *bench* ]] && step plots python3 -m q35lab plots
-if [[ $STEPS == *notebooks* ]]; then
-  (cd notebooks && step notebooks env PYTHONPATH=$WITH_FLA python3 -m pytest -q -p no:cacheprovider -o addopts="" \
-      --nbmake --nbmake-timeout=600 --overwrite $NOTEBOOKS)
+if [[ $STEPS == *notebooks* ]]; then  # one step per notebook: a slow one cannot starve the next
+  for nb in $(cd notebooks && ls $NOTEBOOKS); do
+    (cd notebooks && step "notebooks_${nb%.ipynb}" env PYTHONPATH=$WITH_FLA python3 -m pytest -q -p no:cacheprovider \
+        -o addopts="" --nbmake --nbmake-timeout=600 --overwrite "$nb")
+  done
 fi
 ls -la "$OUT"
