@@ -547,9 +547,10 @@ def main(argv=None) -> int:
                  "--layers", str(args.layers), "--rank", str(args.rank), "--steps", str(args.steps),
                  "--warmup", str(args.warmup), "--fit-max", str(args.fit_max), *(["--fit"] if args.fit else []),
                  "--T", *map(str, args.T)]
-        if subprocess.run(child).returncode != 0:
+        if subprocess.run(child).returncode != 0:  # one row per size asked for, so that it replaces theirs
             with open(lines, "a") as f:
-                f.write(json.dumps({"variant": variant, "status": "error", "note": "the process failed"}) + "\n")
+                for T in args.T:
+                    f.write(json.dumps({"variant": variant, "T": T, "status": "error", "note": "the process failed"}) + "\n")
     rows = [json.loads(line) for line in lines.read_text().splitlines()] if lines.exists() else []
     merge_rows(out, rows).to_csv(out, index=False, float_format="%.5g")
     lines.unlink(missing_ok=True)
@@ -561,14 +562,19 @@ def merge_rows(path: Path, rows: list[dict]):
     variant, or another T of the same variant): results gathered over several device calls."""
     import pandas as pd
 
-    new = pd.DataFrame(rows)
+    def integer_sizes(frame):  # a row without T would make the column float, written as 1.3107e+05
+        if "T" in frame.columns:
+            frame["T"] = frame["T"].astype("Int64")
+        return frame
+
+    new = integer_sizes(pd.DataFrame(rows))
     if not path.exists() or path.stat().st_size == 0:
         return new
-    old = pd.read_csv(path)
+    old = integer_sizes(pd.read_csv(path))
     if {"variant", "T"} <= set(old.columns) and {"variant", "T"} <= set(new.columns):
         measured = set(zip(new["variant"], new["T"]))
         old = old[[(v, t) not in measured for v, t in zip(old["variant"], old["T"])]]
-    return pd.concat([old, new], ignore_index=True)
+    return integer_sizes(pd.concat([old, new], ignore_index=True))
 
 
 if __name__ == "__main__":

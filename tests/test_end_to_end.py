@@ -182,6 +182,12 @@ def test_a_second_run_keeps_the_rows_it_did_not_measure_again(tmp_path):
     assert merged.set_index(["variant", "T"]).loc[("q35lab", 32768), "step_ms"] == 2.0
     assert merged.set_index(["variant", "T"]).loc[("peft", 8192), "step_ms"] == 1.0
     assert len(e2e.merge_rows(tmp_path / "absent.csv", first)) == 4
+    # a row without a size (an old failed process) must not turn 131072 into 1.3107e+05
+    e2e.merge_rows(path, [{"variant": "peft", "status": "error"}, {"variant": "q35lab", "T": 131072}]).to_csv(
+        path, index=False, float_format="%.5g")
+    again = e2e.merge_rows(path, [{"variant": "q35lab", "T": 131072, "step_ms": 4.0}])
+    assert sorted(again.loc[again.variant == "q35lab", "T"].tolist()) == [8192, 32768, 131072]
+    assert again.loc[again["T"] == 131072, "step_ms"].item() == 4.0
 
 
 # ----------------------------------------------------------------------------------------------
