@@ -93,7 +93,6 @@ def _ce_finish_kernel(
     TARGET,  # [n_rows] int64
     SCALE,  # [n_rows] fp32: g_i, the weight of each row's loss in the reduction
     LOSS,  # [n_rows] fp32 out: lse − z_target, 0 for ignored rows
-    Z_TARGET,  # [n_rows] fp32: each row's target logit, gathered before this launch (see below)
     PART_MAX,
     PART_SUM,  # [n_rows, n_splits] fp32, from _ce_partial_stats_kernel
     LSE,  # [n_rows] fp32 out when WRITE_LSE: log Σ exp z, for a later pass over the vocabulary
@@ -126,9 +125,7 @@ def _ce_finish_kernel(
     target = tl.load(TARGET + row)
     ignored = target == ignore_index
     if split == 0:
-        # Not read from LOGITS: the split holding the target column may already have written its
-        # gradient there (programs of one row run in no fixed order on a GPU).
-        z_target = tl.load(Z_TARGET + row)
+        z_target = tl.load(base + tl.where(ignored, 0, target)).to(tl.float32)
         tl.store(LOSS + row, tl.where(ignored, 0.0, (row_max - z_target) + tl.log(row_sum)))
         if WRITE_LSE:
             tl.store(LSE + row, row_max + tl.log(row_sum))
@@ -158,17 +155,24 @@ def _ce_rows(logits, target, scale, loss, ignore_index, compute_grad, lse=None):
     part_max = torch.empty((n_rows, n_splits), dtype=torch.float32, device=logits.device)
     part_sum = torch.empty_like(part_max)
     warps = 8 if block >= 4096 else 4
-    # each row's target logit, read before any split overwrites logits with their gradient
-    # (an ignored row's -100 gathers column 0, which the kernel never uses)
-    z_target = logits.gather(1, target.clamp(0, n_cols - 1)[:, None]).squeeze(1).float()
+    if compute_grad:
+        # The finish kernel's first split reads the target logit from `logits`, where the split
+        # holding the target column may already have written its gradient: programs of one row
+        # run in no fixed order on a GPU. So the target logits are gathered first and the loss
+        # is made from the kernel's log-sum-exp (an ignored row's -100 gathers column 0, unused).
+        z_target = logits.gather(1, target.clamp(0, n_cols - 1)[:, None]).squeeze(1).float()
+        if lse is None:
+            lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     _ce_partial_stats_kernel[(n_rows, n_splits)](
         logits, part_max, part_sum, n_cols, logits.stride(0), cols_per_split, n_splits, BLOCK=block, num_warps=warps,
     )
     _ce_finish_kernel[(n_rows, n_splits)](
-        logits, target, scale, loss, z_target, part_max, part_sum, loss if lse is None else lse, n_cols, logits.stride(0),
+        logits, target, scale, loss, part_max, part_sum, loss if lse is None else lse, n_cols, logits.stride(0),
         ignore_index, cols_per_split, n_splits, SPLITS=triton.next_power_of_2(n_splits), BLOCK=block,
         COMPUTE_GRAD=compute_grad, WRITE_LSE=lse is not None, num_warps=warps,
     )
+    if compute_grad:
+        loss.copy_((lse - z_target).masked_fill_(target == ignore_index, 0.0))
 
 
 @triton.jit
