@@ -258,8 +258,6 @@ class RegionTimer:
     def total_ms(self) -> float:
         if not self.intervals:
             return 0.0
-        if self.origin.event is not None:
-            torch.cuda.synchronize()
         spans = sorted((self.origin.ms_until(a), self.origin.ms_until(b)) for a, b in self.intervals)
         total, (lo, hi) = 0.0, spans[0]
         for a, b in spans[1:]:
@@ -407,8 +405,6 @@ def measure(model, T: int, steps: int = 3, warmup: int = 1, lr: float = 1e-4) ->
             start = _Stamp(device.type)
             losses.append(train_step(model, optimizer, ids))
             end = _Stamp(device.type)
-            if on_gpu:
-                torch.cuda.synchronize()
             if i >= warmup:
                 step_ms.append(start.ms_until(end))
                 core_ms.append(timer.total_ms())

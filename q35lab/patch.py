@@ -8,7 +8,6 @@ checkpoints keep seeing them). ``revert`` puts the originals back. Both are idem
 from __future__ import annotations
 
 import functools
-
 from collections import Counter
 from dataclasses import dataclass, field
 

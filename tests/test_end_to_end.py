@@ -10,6 +10,7 @@ import triton.language as tl
 import q35lab
 from q35lab import e2e
 from q35lab.runtime import device
+from tiny_models import loss_and_grads
 
 LAYERS = 4  # three GatedDeltaNets and one full-attention layer, as the H200 model
 
@@ -237,9 +238,8 @@ def _rsqrt(x):  # libdevice's, which the Triton interpreter lacks
 
 
 def _loss_and_lora_grads(model, ids):
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.item(), {n: p.grad for n, p in model.named_parameters() if "lora_" in n}
+    loss, grads = loss_and_grads(model, ids)
+    return loss.item(), {n: g for n, g in grads.items() if "lora_" in n}
 
 
 def _counting(monkeypatch, module, names):

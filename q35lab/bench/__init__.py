@@ -7,7 +7,6 @@ listing this package, so adding an op touches neither this file nor ``core``.
 from __future__ import annotations
 
 import csv
-
 import importlib
 import importlib.util
 import math

@@ -13,7 +13,6 @@ Variants: with and without bf16 autocast. GEMM-bound: reported as time.
 
 from __future__ import annotations
 
-
 import torch
 
 from .. import shapes
@@ -50,7 +49,6 @@ def make_inputs(T: int, device, dtype=torch.bfloat16) -> dict:
         data[f"A.{name}"] = 0.02 * torch.randn(RANK, HIDDEN, device=device)
         data[f"B.{name}"] = 0.02 * torch.randn(n, RANK, device=device)
     return data
-
 
 
 def _build(data: dict, adapters: bool, adapter_fp32: bool = True):

@@ -39,7 +39,6 @@ def make_inputs(T: int, device, dtype=torch.bfloat16, vocab: int = VOCAB) -> dic
     }
 
 
-
 def _loss_fn(kind: str):
     if kind == "transformers":
         return lambda x, w, t: linear_cross_entropy_ref(x, w, t)

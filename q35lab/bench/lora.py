@@ -18,7 +18,6 @@ backward). GEMM-bound: reported as time, not bandwidth.
 
 from __future__ import annotations
 
-
 import torch
 
 from .. import shapes
@@ -39,7 +38,6 @@ def make_inputs(T: int, device, dtype=torch.bfloat16) -> dict:
         "A": 0.02 * torch.randn(RANK, IN_FEATURES, device=device),
         "B": 0.02 * torch.randn(OUT_FEATURES, RANK, device=device),
     }
-
 
 
 def _peft_layer(data: dict, adapter_fp32: bool = True):

@@ -115,6 +115,7 @@ class FusedLoRAProjectionsFunction(torch.autograd.Function):
             y = x2d @ weight_cat.t() if bias_cat is None else torch.addmm(bias_cat, x2d, weight_cat.t())
         ctx.save_for_backward(x2d, weight_cat, xa, *adapters)
         ctx.meta, ctx.offsets = meta, offsets
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: no GEMM on zeros
         lead = x.shape[:-1]
         return tuple(y[:, offsets[i]:offsets[i + 1]].view(*lead, n) for i, n in enumerate(out_features))
 
