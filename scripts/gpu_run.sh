@@ -10,7 +10,8 @@
 #   (q35lab-logs/), the only file under $OUT.
 #   TESTS picks the test files (default: all of tests/); BENCH_T="16384 32768" measures only those
 #   sizes and keeps the CSV's other rows. Steps layer and e2e take LAYER_VARIANTS,
-#   LAYER_T, E2E_VARIANTS, E2E_T (space-separated) and E2E_FIT=1 (search the longest T that fits).
+#   LAYER_T, E2E_VARIANTS, E2E_T (space-separated), E2E_FIT=1 (search the longest T that fits) and
+#   E2E_ARGS (more options for `python -m q35lab.e2e`, e.g. "--steps 2").
 #
 # flash-linear-attention is installed only for steps that measure it: with it, a Qwen3.5
 # training step raises on Hopper with Triton 3.6 (fla#640), which the model tests would hit.
@@ -54,7 +55,7 @@ fi
 [[ $STEPS == *layer* ]] && step layer python3 -m q35lab.e2e --what layer --layers 1 \
     --variants ${LAYER_VARIANTS:-peft q35lab} --T ${LAYER_T:-8192 32768} --out data/bench/$gpu/gdn_layer.csv
 [[ $STEPS == *e2e* ]] && step e2e python3 -m q35lab.e2e \
-    --variants ${E2E_VARIANTS:-peft peft+liger q35lab} --T ${E2E_T:-8192 32768} ${E2E_FIT:+--fit} \
+    --variants ${E2E_VARIANTS:-peft peft+liger q35lab} --T ${E2E_T:-8192 32768} ${E2E_FIT:+--fit} ${E2E_ARGS:-} \
     --out data/bench/$gpu/end_to_end.csv
 [[ $STEPS == *check* ]] && step check env PYTHONPATH=$WITH_FLA python3 -m q35lab check $OPS
 [[ $STEPS == *bench* ]] && step bench env PYTHONPATH=$WITH_FLA python3 -m q35lab bench $OPS ${BENCH_T:+--T $BENCH_T} "$@"
