@@ -123,6 +123,29 @@ def test_every_gemm_implementation_runs_every_variant_on_a_cpu(op):
                     bench._pass_calls(make, [data], pass_, options)[0]()
 
 
+def test_axolotl_in_proj_peer_is_called_once_per_forward(monkeypatch):
+    """The fused peer must run once for all four outputs (a call per output measured it 4×)."""
+    pytest.importorskip("peft")
+    import types
+
+    calls = []
+
+    def apply_lora_gdn_in_proj(module, x, proj_names):
+        calls.append(proj_names)
+        return {name: getattr(module, name)(x) for name in proj_names}
+
+    kernels = types.ModuleType("axolotl.kernels.lora")
+    kernels.apply_lora_gdn_in_proj = apply_lora_gdn_in_proj
+    monkeypatch.setitem(sys.modules, "axolotl", types.ModuleType("axolotl"))
+    monkeypatch.setitem(sys.modules, "axolotl.kernels", types.ModuleType("axolotl.kernels"))
+    monkeypatch.setitem(sys.modules, "axolotl.kernels.lora", kernels)
+    spec = bench.discover()["in_proj"]
+    make, _ = spec.impls["axolotl"]
+    forward, _, _ = make(spec.make_inputs(4, torch.device("cpu")))
+    outputs = forward()
+    assert len(calls) == 1 and len(outputs) == len(calls[0]) == 4
+
+
 def test_figure_names():
     assert plots.figure_name("lora", "", "nvidia-h200") == "lora_nvidia-h200.png"
     assert plots.figure_name("lora", "autocast+checkpoint", "nvidia-h200") == "lora-autocast-checkpoint_nvidia-h200.png"

@@ -80,8 +80,11 @@ def _setup(kind: str):
         elif kind == "axolotl":
             from axolotl.kernels.lora import apply_lora_gdn_in_proj
 
-            names = tuple(OUT_FEATURES)  # axolotl 0.21: (module, X, proj_names) -> {name: output}
-            run = lambda t: tuple(apply_lora_gdn_in_proj(inner, t, names)[n] for n in names)  # noqa: E731
+            names = tuple(OUT_FEATURES)
+
+            def run(t):  # axolotl 0.21: (module, X, proj_names) -> {name: output}, one call for all four
+                outputs = apply_lora_gdn_in_proj(inner, t, names)
+                return tuple(outputs[n] for n in names)
         else:
             run = inner
 
