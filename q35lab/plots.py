@@ -115,7 +115,8 @@ def plot_memory(ax, df, pass_: str, ours: str) -> None:
 def op_figure(df, title: str, ours: str, metric: str = "bandwidth"):
     """Bandwidth or time (top row) and memory (bottom row) for each pass, the GPU in the title."""
     passes = list(dict.fromkeys(df["pass"]))
-    fig, axes = plt.subplots(2, len(passes), figsize=(5.2 * len(passes), 8.5), squeeze=False)
+    width = max(5.2 * len(passes), 10.0)  # one pass alone is too narrow for the title and legend
+    fig, axes = plt.subplots(2, len(passes), figsize=(width, 8.5), squeeze=False)
     copy = float(df["copy_gbps"].dropna().iloc[0])
     for j, pass_ in enumerate(passes):
         if metric == "time":
@@ -124,10 +125,12 @@ def op_figure(df, title: str, ours: str, metric: str = "bandwidth"):
             plot_bandwidth(axes[0][j], df, pass_, ours, copy)
         plot_memory(axes[1][j], df, pass_, ours)
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper center", ncol=len(labels), bbox_to_anchor=(0.5, 0.955), frameon=False)
+    columns = min(len(labels), int(width // 2.3))  # wrap the legend into rows rather than cut it
+    legend_rows = -(-len(labels) // columns)
+    fig.legend(handles, labels, loc="upper center", ncol=columns, bbox_to_anchor=(0.5, 0.955), frameon=False)
     gpu = df["gpu"].iloc[0]
-    fig.suptitle(f"{title} — {gpu}, {df['date'].iloc[0]}", fontsize=13)
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.suptitle(f"{title} — {gpu}, {df['date'].iloc[0]}", fontsize=13 if len(passes) > 1 else 11)
+    fig.tight_layout(rect=(0, 0, 1, 0.93 - 0.03 * (legend_rows - 1)))
     return fig
 
 
