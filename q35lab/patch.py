@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .ops.gated_rms_norm import GatedRMSNorm
-from .ops.fused_projections import ConcatCache, Projection, fused_lora_projections
+from .ops.fused_projections import ConcatCache, Projection, fused_lora_projections, pack_rows, unpack_rows
 from .ops.linear_cross_entropy import linear_cross_entropy
 from .ops.lora import lora_linear
 from .ops.offset_rms_norm import OffsetRMSNorm
@@ -247,9 +247,16 @@ def _projection_now(module: torch.nn.Module) -> Projection | None:
                       module.scaling[name], p)
 
 
+def _base_weight(module: torch.nn.Module) -> torch.Tensor:
+    return module.weight if type(module) is torch.nn.Linear else module.base_layer.weight
+
+
 class _InProjGroup:
     def __init__(self, modules: list[torch.nn.Module]):
         self.modules = modules
+        # The four frozen base weights moved into one buffer, so that the fused GEMM's
+        # concatenated weight is a view of it rather than a second copy of the weights.
+        self.packed = pack_rows([_base_weight(m) for m in modules])
         self.cache = ConcatCache()
         self.input_key = None
         self.pending: dict[int, torch.Tensor] = {}
@@ -294,6 +301,8 @@ def _unfuse_in_proj(module: torch.nn.Module, report: "PatchReport") -> None:
         del module.forward
         object.__delattr__(module, _IN_PROJ)
         if module is group.modules[0]:
+            if group.packed:  # each weight in a buffer of its own again, as transformers made them
+                unpack_rows([_base_weight(m) for m in group.modules])
             report.reverted["GatedDeltaNet in_proj"] += 1
 
 

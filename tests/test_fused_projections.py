@@ -6,7 +6,8 @@ import torch
 import q35lab
 from q35lab.numerics import assert_close_by_rule
 from q35lab.ops.fused_projections import (
-    ConcatCache, FusedLoRAProjectionsFunction, Projection, fused_lora_projections, fused_lora_projections_ref,
+    ConcatCache, FusedLoRAProjectionsFunction, Projection, fused_lora_projections, fused_lora_projections_ref, pack_rows,
+    unpack_rows,
 )
 from q35lab.runtime import device
 from tiny_models import count_forward_calls, loss_and_grads
@@ -129,6 +130,47 @@ def test_an_optimizer_step_between_two_forwards_is_seen():
     torch.testing.assert_close(third[1], fused_lora_projections_ref(x, ps)[1], rtol=1e-4, atol=1e-4)
 
 
+def _storages(tensors):
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def test_packed_base_weights_make_the_cached_concatenation_a_view():
+    ps = _projections(bias=True)
+    weights = [p.weight for p in ps]
+    before = [w.clone() for w in weights]
+    assert pack_rows(weights)
+    assert len(_storages(weights)) == 1
+    for w, b in zip(weights, before):
+        assert w.is_contiguous() and torch.equal(w, b)
+    x, cache = torch.randn(5, K, device=device()).requires_grad_(), ConcatCache()
+    concatenated, _ = cache.get(ps, x.dtype)
+    assert concatenated.data_ptr() == weights[0].data_ptr() and torch.equal(concatenated, torch.cat(before))
+    _assert_same_outputs_and_gradients(fused_lora_projections(x, ps, cache=cache), fused_lora_projections_ref(x, ps), x, ps)
+    with torch.no_grad():  # an in-place change (a merge) is in the view at once
+        weights[2].mul_(3.0)
+    torch.testing.assert_close(fused_lora_projections(x, ps, cache=cache)[2], fused_lora_projections_ref(x, ps)[2],
+                               rtol=1e-4, atol=1e-4)
+    in_bf16, _ = cache.get(ps, torch.bfloat16)  # another dtype (autocast): a cast copy, as before
+    assert in_bf16.dtype == torch.bfloat16 and _storages([in_bf16]) != _storages(weights[:1])
+    unpack_rows(weights)
+    assert len(_storages(weights)) == len(weights)
+    concatenated, _ = cache.get(ps, x.dtype)  # no longer one buffer: concatenated by copy
+    assert _storages([concatenated]).isdisjoint(_storages(weights))
+    torch.testing.assert_close(concatenated, torch.cat([w for w in weights]))
+
+
+@pytest.mark.parametrize("weights", [
+    lambda: [torch.randn(3, K), torch.randn(2, K, dtype=torch.float64)],  # dtypes differ
+    lambda: [torch.randn(3, K), torch.randn(2, K + 1)],  # widths differ
+    lambda: [torch.randn(3, K, device="meta"), torch.randn(2, K, device="meta")],  # nothing to move
+])
+def test_pack_rows_leaves_alone_weights_that_cannot_share_a_buffer(weights):
+    weights = weights()
+    pointers = [w.data_ptr() for w in weights]
+    assert not pack_rows(weights)
+    assert [w.data_ptr() for w in weights] == pointers
+
+
 @pytest.mark.parametrize(
     "change,message",
     [
@@ -198,3 +240,27 @@ def test_disabled_adapters_and_gradient_checkpointing():
     torch.testing.assert_close(loss_ckpt, loss_peft, rtol=1e-5, atol=1e-6)
     for name in grads_peft:
         torch.testing.assert_close(grads_ckpt[name], grads_peft[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_the_patch_packs_the_four_base_weights_and_revert_separates_them(tmp_path):
+    """One buffer while patched (no second copy for the fused GEMM); the model saves and loads the
+    same weights meanwhile (transformers clones disjoint views of one buffer); revert splits them."""
+    from tiny_models import causal_lm
+    from q35lab.patch import IN_PROJ_NAMES
+
+    model = causal_lm().requires_grad_(False)  # frozen bases, no adapters: the fusion still applies
+    gdn = next(m for m in model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet")
+    weights = lambda: [getattr(gdn, name).weight for name in IN_PROJ_NAMES]  # noqa: E731
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(0, 128, (1, 7), device=device())
+    expected = model(input_ids=ids).logits
+    q35lab.apply_to_qwen3_5(model, flce=False)
+    assert len(_storages(weights())) == 1
+    torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path).state_dict()
+    q35lab.revert(model)
+    assert len(_storages(weights())) == len(IN_PROJ_NAMES)
+    for name, value in before.items():
+        assert torch.equal(model.state_dict()[name], value), name
+        assert torch.equal(loaded[name].to(value.device), value), name

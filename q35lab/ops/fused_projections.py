@@ -21,7 +21,10 @@ Dropout: PEFT draws one mask per projection; with dropout the adapter inputs dif
 adapter GEMMs run per projection (each mask regenerated from its seed in backward). The base
 weights are frozen in LoRA training: their concatenation is cached by ``ConcatCache`` and rebuilt
 only when one of them changes (a new tensor or an in-place update); the adapters change every
-optimizer step and are concatenated on every call (Σr·K values: negligible).
+optimizer step and are concatenated on every call (Σr·K values: negligible). A cached copy would
+hold every base weight twice (ΣN·K values: 101 MB per GatedDeltaNet at the default dims), so
+``pack_rows`` can first move the weights into one buffer, each its own row slice of it: the
+concatenation is then a view of that buffer, not a copy.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ import torch
 from ._checks import check_float_tensor
 from .lora import _compute_dtype, _dropped, dropout_mask
 
-__all__ = ["Projection", "ConcatCache", "fused_lora_projections", "fused_lora_projections_ref"]
+__all__ = ["Projection", "ConcatCache", "pack_rows", "unpack_rows", "fused_lora_projections",
+           "fused_lora_projections_ref"]
 
 
 @dataclass
@@ -52,8 +56,47 @@ class Projection:
         return self.lora_A is not None
 
 
+def pack_rows(weights: list[torch.Tensor]) -> bool:
+    """Move ``weights`` (``[N_i, K]`` each) into one ``[ΣN, K]`` buffer, in place: each tensor's
+    ``.data`` becomes its row slice (contiguous), the values and the Parameter objects unchanged.
+
+    Returns False, changing nothing, when they cannot share a buffer (dtypes, devices or widths
+    that differ, meta or subclassed tensors such as quantized weights)."""
+    first = weights[0]
+    if any(type(w) not in (torch.Tensor, torch.nn.Parameter) or w.is_meta or w.dim() != 2
+           or w.dtype != first.dtype or w.device != first.device or w.shape[1] != first.shape[1]
+           for w in weights):
+        return False
+    packed = torch.cat([w.detach() for w in weights])
+    start = 0
+    for w in weights:
+        w.data = packed[start:start + w.shape[0]]
+        start += w.shape[0]
+    return True
+
+
+def unpack_rows(weights: list[torch.Tensor]) -> None:
+    """Undo ``pack_rows``: each weight gets a buffer of its own again (same values)."""
+    for w in weights:
+        w.data = w.data.clone()
+
+
+def _rows_of_one_buffer(weights: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
+    """The ``[ΣN, K]`` view spanning ``weights`` when they lie back to back in one buffer, in
+    ``dtype`` (as ``pack_rows`` leaves them); None otherwise."""
+    first = weights[0]
+    end = first.data_ptr()
+    for w in weights:
+        if (w.dtype != dtype or w.dim() != 2 or w.shape[1] != first.shape[1] or not w.is_contiguous()
+                or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or w.data_ptr() != end):
+            return None
+        end += w.numel() * w.element_size()
+    return first.detach().as_strided((sum(w.shape[0] for w in weights), first.shape[1]), (first.shape[1], 1))
+
+
 class ConcatCache:
-    """The concatenated base weights (and biases) of a group, rebuilt only when they change."""
+    """The concatenated base weights (and biases) of a group, rebuilt only when they change; a view,
+    not a copy, when the weights already lie back to back in one buffer (``pack_rows``)."""
 
     def __init__(self):
         self._key = None
@@ -63,7 +106,9 @@ class ConcatCache:
         tensors = [p.weight for p in projections] + [p.bias for p in projections if p.bias is not None]
         key = (dtype, tuple((id(t), t._version, t.data_ptr()) for t in tensors))
         if key != self._key:
-            weight = torch.cat([p.weight.detach().to(dtype) for p in projections], dim=0)
+            weight = _rows_of_one_buffer([p.weight for p in projections], dtype)
+            if weight is None:
+                weight = torch.cat([p.weight.detach().to(dtype) for p in projections], dim=0)
             bias = None
             if any(p.bias is not None for p in projections):
                 bias = torch.cat([(p.bias.detach() if p.bias is not None else torch.zeros(p.weight.shape[0], device=weight.device)).to(dtype)
