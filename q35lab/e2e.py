@@ -456,11 +456,18 @@ def measure_layer(model, T: int, steps: int = 3, warmup: int = 1) -> dict:
 # CLI: one process per variant
 # ----------------------------------------------------------------------------------------------
 def _sizes(args):
-    """The requested T, then with --fit longer ones (×1.25, multiples of 4096) until one fails."""
+    """The requested T, then with --fit longer ones until one fails: from --fit-from (default: the
+    largest T), each --fit-step times the last (multiples of 4096), up to --fit-max. Steps near
+    the limit cost the most, so starting near a predicted limit saves most of the search."""
     yield from args.T
+    if not args.fit:
+        return
     T = max(args.T)
-    while args.fit and T < args.fit_max:
-        T = min(args.fit_max, max(T + 4096, int(T * 1.25) // 4096 * 4096))
+    if args.fit_from and args.fit_from > T:
+        T = min(args.fit_max, args.fit_from // 4096 * 4096)
+        yield T
+    while T < args.fit_max:
+        T = min(args.fit_max, max(T + 4096, int(T * args.fit_step) // 4096 * 4096))
         yield T
 
 
@@ -524,6 +531,8 @@ def main(argv=None) -> int:
     parser.add_argument("--fit", action="store_true",
                         help="after --T, longer sequences until one runs out of memory: the longest that fits")
     parser.add_argument("--fit-max", type=int, default=512 * 1024)
+    parser.add_argument("--fit-from", type=int, default=0, help="with --fit: the first longer size tried")
+    parser.add_argument("--fit-step", type=float, default=1.25, help="with --fit: the factor between sizes tried")
     parser.add_argument("--out", required=True, help="CSV to write; rows of a variant and T measured again replace theirs, others are kept "
                         "(a .jsonl of the same name collects the rows)")
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # the child process's one variant
@@ -541,7 +550,8 @@ def main(argv=None) -> int:
         child = [sys.executable, "-m", "q35lab.e2e", "--variant", variant, "--out", str(lines), "--what", args.what,
                  "--size", args.size,
                  "--layers", str(args.layers), "--rank", str(args.rank), "--steps", str(args.steps),
-                 "--warmup", str(args.warmup), "--fit-max", str(args.fit_max), *(["--fit"] if args.fit else []),
+                 "--warmup", str(args.warmup), "--fit-max", str(args.fit_max), "--fit-from", str(args.fit_from),
+                 "--fit-step", str(args.fit_step), *(["--fit"] if args.fit else []),
                  "--T", *map(str, args.T)]
         if subprocess.run(child).returncode != 0:  # one row per size asked for, so that it replaces theirs
             with open(lines, "a") as f:

@@ -11,7 +11,7 @@
 #   TESTS picks the test files (default: all of tests/); BENCH_T="16384 32768" measures only those
 #   sizes and keeps the CSV's other rows. Steps layer and e2e take LAYER_VARIANTS,
 #   LAYER_T, E2E_VARIANTS, E2E_T (space-separated), E2E_FIT=1 (search the longest T that fits) and
-#   E2E_ARGS (more options for `python -m q35lab.e2e`, e.g. "--steps 2").
+#   E2E_ARGS (more options for `python -m q35lab.e2e`, e.g. "--steps 2 --fit-from 196608 --fit-step 1.1").
 #
 # flash-linear-attention is installed only for steps that measure it: with it, a Qwen3.5
 # training step raises on Hopper with Triton 3.6 (fla#640), which the model tests would hit.

@@ -154,11 +154,16 @@ def test_one_gated_delta_net_layer_is_timed_with_its_in_proj_share(patched):
 def test_fit_asks_for_longer_sequences_up_to_the_limit():
     import argparse
 
-    args = argparse.Namespace(T=[8192, 32768], fit=True, fit_max=100_000)
-    sizes = list(e2e._sizes(args))
-    assert sizes[:2] == [8192, 32768] and sizes[-1] == 100_000
-    assert all(b > a for a, b in zip(sizes[1:], sizes[2:])) and all(t % 4096 == 0 for t in sizes[2:-1])
-    assert list(e2e._sizes(argparse.Namespace(T=[4096], fit=False, fit_max=100_000))) == [4096]
+    def sizes(**options):
+        defaults = dict(T=[8192, 32768], fit=True, fit_max=100_000, fit_from=0, fit_step=1.25)
+        return list(e2e._sizes(argparse.Namespace(**{**defaults, **options})))
+
+    grown = sizes()
+    assert grown[:2] == [8192, 32768] and grown[-1] == 100_000
+    assert all(b > a for a, b in zip(grown[1:], grown[2:])) and all(t % 4096 == 0 for t in grown[2:-1])
+    assert sizes(T=[4096], fit=False) == [4096]
+    assert sizes(fit_from=70_000, fit_step=1.1) == [8192, 32768, 69632, 73728, 77824, 81920, 90112, 98304, 100_000]
+    assert sizes(fit_from=16384)[2] > 32768  # a start below the sizes asked for is ignored
 
 
 def test_toy_corpus_follows_its_rule():
