@@ -8,7 +8,9 @@ gradient checkpointing under bf16 autocast, as a fine-tuning run would. For each
 * the share of it spent in the delta-rule core and the causal convolution — code that is not
   ours and that no variant changes — timed by ``RegionTimer`` around those functions, forward
   (including checkpointing's recompute) and backward; the rest is the step "outside the core";
-* the peak memory allocated, and the loss (equal across variants at the same seed).
+* the peak memory allocated, and the loss (equal across variants at the same seed);
+* with ``--memory-at-peak``, one more step with the allocator's history recorded: what is alive at
+  that step's highest point, by the code that allocated it (``peak_breakdown``).
 
 Patching libraries replace classes module-wide (Liger does), so the CLI runs every variant in a
 fresh process::
@@ -21,6 +23,7 @@ fresh process::
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import functools
 import json
@@ -416,6 +419,71 @@ def measure(model, T: int, steps: int = 3, warmup: int = 1, lr: float = 1e-4) ->
     }
 
 
+#: Where an allocation comes from: the innermost Python frame in one of these places (not this
+#: file, whose wrappers sit around everything).
+PEAK_SOURCES = (("/q35lab/ops/", "q35lab"), ("/q35lab/patch.py", "q35lab"), ("liger_kernel", "liger"), ("/axolotl/", "axolotl"), ("/peft/", "peft"),
+                ("/transformers/", "transformers"), ("torch/utils/checkpoint", "checkpoint"), ("torch/optim", "optimizer"))
+
+
+def allocation_source(frames: list[dict]) -> str:
+    """``package:function`` of the innermost frame from ``PEAK_SOURCES`` (frames innermost first)."""
+    for frame in frames:
+        path = frame["filename"].replace("\\", "/")
+        for marker, package in PEAK_SOURCES:
+            if marker in path:
+                return f"{package}:{frame['name']}"
+    return "other Python" if frames else "no Python frame (autograd's own backward ops)"
+
+
+def peak_breakdown(events: list[dict], top: int = 12) -> tuple[int, list[tuple[str, int]]]:
+    """Bytes alive at the highest point of a CUDA allocator trace, by ``allocation_source``.
+
+    ``events``: one device's ``torch.cuda.memory._snapshot()["device_traces"]``; ``alloc`` adds a
+    block, ``free_completed`` removes it. Blocks allocated before the recording began (weights,
+    optimizer state) are not in it: the peak is the step's own, above what it started with.
+    Returns (peak bytes, [(source, bytes)] largest first)."""
+    total = peak = 0
+    peak_index = -1
+    for i, event in enumerate(events):
+        if event["action"] == "alloc":
+            total += event["size"]
+        elif event["action"] == "free_completed":
+            total -= event["size"]
+        if total > peak:
+            peak, peak_index = total, i
+    live = {}
+    for event in events[:peak_index + 1]:  # replay up to the peak: the blocks alive there
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+        elif event["action"] == "free_completed":
+            live.pop(event["addr"], None)
+    by_source = collections.Counter()
+    for event in live.values():
+        by_source[allocation_source(event.get("frames", []))] += event["size"]
+    return peak, by_source.most_common(top)
+
+
+def memory_at_peak(model, T: int, lr: float = 1e-4) -> dict:
+    """One more training step at ``T`` with the CUDA allocator's history recorded (Python stacks):
+    the step's peak above its starting point and its largest sources (MiB), as CSV columns."""
+    device = next(model.parameters()).device
+    vocab = model.get_input_embeddings().weight.shape[0]
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    ids = tokens(T, vocab, device, seed=0)
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(stacks="python", max_entries=2_000_000)
+    try:
+        start = torch.cuda.memory_allocated()
+        train_step(model, optimizer, ids)
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    peak, sources = peak_breakdown(snapshot["device_traces"][device.index or 0])
+    return {"step_start_gib": start / 2**30, "step_peak_above_start_gib": peak / 2**30,
+            "peak_sources_mib": json.dumps({name: round(size / 2**20) for name, size in sources})}
+
+
 IN_PROJ_NAMES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
 
@@ -477,7 +545,10 @@ def _measured(model, T: int, args) -> dict:
     try:
         if args.what == "layer":
             return dict(what="layer", **measure_layer(model, T, steps=steps, warmup=warmup))
-        return dict(what="step", **measure(model, T, steps=steps, warmup=warmup))
+        row = dict(what="step", **measure(model, T, steps=steps, warmup=warmup))
+        if args.memory_at_peak and T in args.T and torch.cuda.is_available():
+            row.update(memory_at_peak(model, T))
+        return row
     except torch.cuda.OutOfMemoryError:
         return dict(status="oom", note="out of memory")
     except Exception as exc:  # a variant failing is a result
@@ -533,6 +604,8 @@ def main(argv=None) -> int:
     parser.add_argument("--fit-max", type=int, default=512 * 1024)
     parser.add_argument("--fit-from", type=int, default=0, help="with --fit: the first longer size tried")
     parser.add_argument("--fit-step", type=float, default=1.25, help="with --fit: the factor between sizes tried")
+    parser.add_argument("--memory-at-peak", action="store_true",
+                        help="at each --T, one more step recorded by the allocator: what is alive at its peak, by source")
     parser.add_argument("--out", required=True, help="CSV to write; rows of a variant and T measured again replace theirs, others are kept "
                         "(a .jsonl of the same name collects the rows)")
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # the child process's one variant
@@ -552,6 +625,7 @@ def main(argv=None) -> int:
                  "--layers", str(args.layers), "--rank", str(args.rank), "--steps", str(args.steps),
                  "--warmup", str(args.warmup), "--fit-max", str(args.fit_max), "--fit-from", str(args.fit_from),
                  "--fit-step", str(args.fit_step), *(["--fit"] if args.fit else []),
+                 *(["--memory-at-peak"] if args.memory_at_peak else []),
                  "--T", *map(str, args.T)]
         if subprocess.run(child).returncode != 0:  # one row per size asked for, so that it replaces theirs
             with open(lines, "a") as f:

@@ -166,6 +166,29 @@ def test_fit_asks_for_longer_sequences_up_to_the_limit():
     assert sizes(fit_from=16384)[2] > 32768  # a start below the sizes asked for is ignored
 
 
+def test_peak_breakdown_replays_the_trace_to_its_highest_point():
+    def frame(path, name):
+        return {"filename": path, "name": name, "line": 1}
+
+    ours = [frame("/x/site-packages/q35lab/ops/lora.py", "forward"), frame("/x/transformers/models/m.py", "forward")]
+    core = [frame("/x/torch/nn/functional.py", "pad"), frame("/x/transformers/models/qwen3_5/m.py", "torch_chunk")]
+    events = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": ours},
+        {"action": "alloc", "addr": 2, "size": 300, "frames": core},
+        {"action": "free_requested", "addr": 1, "size": 100},  # still counted until completed
+        {"action": "alloc", "addr": 3, "size": 50, "frames": []},  # the peak: 450 bytes
+        {"action": "free_completed", "addr": 1, "size": 100},
+        {"action": "free_completed", "addr": 9, "size": 70},  # allocated before the recording
+        {"action": "alloc", "addr": 4, "size": 160, "frames": ours},  # 440: below the peak
+    ]
+    peak, sources = e2e.peak_breakdown(events)
+    assert peak == 450
+    assert sources == [("transformers:torch_chunk", 300), ("q35lab:forward", 100),
+                       ("no Python frame (autograd's own backward ops)", 50)]
+    assert e2e.allocation_source([frame("/x/numpy/core.py", "f")]) == "other Python"
+    assert e2e.peak_breakdown([]) == (0, [])
+
+
 def test_toy_corpus_follows_its_rule():
     data = e2e.toy_corpus(50, 12, 97, seed=1)
     steps = (data[:, 1:] - data[:, :-1]) % 97
