@@ -429,7 +429,9 @@ def apply_to_qwen3_5(
     any PEFT wrapper around them. The modules are found by walking the model, so whichever class
     the installed transformers put in a layer (its own, flash-linear-attention's, one with a hub
     kernel attached) is the one replaced. Patching twice is harmless (the second report counts
-    the modules as already patched).
+    the modules as already patched). Patch after moving the model to its device and dtype: the
+    in_proj fusion moves each GatedDeltaNet's four frozen weights into one buffer there, which a
+    later ``.to()`` splits again (still correct, but the fused GEMM then keeps its own copy).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
