@@ -547,7 +547,11 @@ def _measured(model, T: int, args) -> dict:
             return dict(what="layer", **measure_layer(model, T, steps=steps, warmup=warmup))
         row = dict(what="step", **measure(model, T, steps=steps, warmup=warmup))
         if args.memory_at_peak and T in args.T and torch.cuda.is_available():
-            row.update(memory_at_peak(model, T))
+            try:  # an extra, optional look: its failure must not cost the measured row
+                row.update(memory_at_peak(model, T))
+            except Exception as exc:
+                torch.cuda.memory._record_memory_history(enabled=None)
+                row["note"] = f"memory-at-peak failed: {type(exc).__name__}: {exc}"[:300]
         return row
     except torch.cuda.OutOfMemoryError:
         return dict(status="oom", note="out of memory")
