@@ -549,8 +549,7 @@ def _measured(model, T: int, args) -> dict:
         if args.memory_at_peak and T in args.T and torch.cuda.is_available():
             try:  # an extra, optional look: its failure must not cost the measured row
                 row.update(memory_at_peak(model, T))
-            except Exception as exc:
-                torch.cuda.memory._record_memory_history(enabled=None)
+            except Exception as exc:  # (memory_at_peak has stopped the recording itself)
                 row["note"] = f"memory-at-peak failed: {type(exc).__name__}: {exc}"[:300]
         return row
     except torch.cuda.OutOfMemoryError:
