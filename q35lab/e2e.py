@@ -421,8 +421,9 @@ def measure(model, T: int, steps: int = 3, warmup: int = 1, lr: float = 1e-4) ->
 
 #: Where an allocation comes from: the innermost Python frame in one of these places (not this
 #: file, whose wrappers sit around everything).
-PEAK_SOURCES = (("/q35lab/ops/", "q35lab"), ("/q35lab/patch.py", "q35lab"), ("liger_kernel", "liger"), ("/axolotl/", "axolotl"), ("/peft/", "peft"),
-                ("/transformers/", "transformers"), ("torch/utils/checkpoint", "checkpoint"), ("torch/optim", "optimizer"))
+PEAK_SOURCES = (("/q35lab/ops/", "q35lab"), ("/q35lab/patch.py", "q35lab"), ("liger_kernel", "liger"),
+                ("/axolotl/", "axolotl"), ("/peft/", "peft"), ("/transformers/", "transformers"),
+                ("torch/utils/checkpoint", "checkpoint"), ("torch/optim", "optimizer"))
 
 
 def allocation_source(frames: list[dict]) -> str:
