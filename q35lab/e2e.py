@@ -617,8 +617,6 @@ def main(argv=None) -> int:
     if args.variant:
         _one_variant(args)
         return 0
-    import pandas as pd
-
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     lines = out.with_suffix(".jsonl")

@@ -211,8 +211,13 @@ def _is_gated_delta_net(module: torch.nn.Module) -> bool:
         hasattr(module, name) for name in IN_PROJ_NAMES)
 
 
+def _base_layer(module: torch.nn.Module) -> torch.nn.Module:
+    """The frozen Linear itself, or the one a PEFT LoRA layer wraps."""
+    return getattr(module, "base_layer", module)
+
+
 def _base_is_trainable(module: torch.nn.Module) -> bool:
-    base = getattr(module, "base_layer", module)
+    base = _base_layer(module)
     return base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad)
 
 
@@ -247,16 +252,12 @@ def _projection_now(module: torch.nn.Module) -> Projection | None:
                       module.scaling[name], p)
 
 
-def _base_weight(module: torch.nn.Module) -> torch.Tensor:
-    return module.weight if type(module) is torch.nn.Linear else module.base_layer.weight
-
-
 class _InProjGroup:
     def __init__(self, modules: list[torch.nn.Module]):
         self.modules = modules
         # The four frozen base weights moved into one buffer, so that the fused GEMM's
         # concatenated weight is a view of it rather than a second copy of the weights.
-        self.packed = pack_rows([_base_weight(m) for m in modules])
+        self.packed = pack_rows([_base_layer(m).weight for m in modules])
         self.cache = ConcatCache()
         self.input_key = None
         self.pending: dict[int, torch.Tensor] = {}
@@ -302,7 +303,7 @@ def _unfuse_in_proj(module: torch.nn.Module, report: "PatchReport") -> None:
         object.__delattr__(module, _IN_PROJ)
         if module is group.modules[0]:
             if group.packed:  # each weight in a buffer of its own again, as transformers made them
-                unpack_rows([_base_weight(m) for m in group.modules])
+                unpack_rows([_base_layer(m).weight for m in group.modules])
             report.reverted["GatedDeltaNet in_proj"] += 1
 
 

@@ -82,12 +82,12 @@ def unpack_rows(weights: list[torch.Tensor]) -> None:
 
 
 def _rows_of_one_buffer(weights: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
-    """The ``[ΣN, K]`` view spanning ``weights`` when they lie back to back in one buffer, in
-    ``dtype`` (as ``pack_rows`` leaves them); None otherwise."""
+    """The ``[ΣN, K]`` view spanning ``weights`` (already checked to be ``[N_i, K]``) when they lie
+    back to back in one buffer, in ``dtype`` (as ``pack_rows`` leaves them); None otherwise."""
     first = weights[0]
     end = first.data_ptr()
     for w in weights:
-        if (w.dtype != dtype or w.dim() != 2 or w.shape[1] != first.shape[1] or not w.is_contiguous()
+        if (w.dtype != dtype or not w.is_contiguous()
                 or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or w.data_ptr() != end):
             return None
         end += w.numel() * w.element_size()
