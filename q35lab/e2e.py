@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -553,8 +554,10 @@ def _measured(model, T: int, args) -> dict:
             except Exception as exc:  # (memory_at_peak has stopped the recording itself)
                 row["note"] = f"memory-at-peak failed: {type(exc).__name__}: {exc}"[:300]
         return row
-    except torch.cuda.OutOfMemoryError:
-        return dict(status="oom", note="out of memory")
+    except torch.cuda.OutOfMemoryError as exc:  # where and how much: which allocation hit the limit
+        frames = traceback.extract_tb(exc.__traceback__)[-3:]
+        where = " < ".join(f"{frame.name} ({frame.filename.rsplit('/', 1)[-1]}:{frame.lineno})" for frame in reversed(frames))
+        return dict(status="oom", note=f"out of memory in {where}: {str(exc).split(' Including')[0]}"[:300])
     except Exception as exc:  # a variant failing is a result
         return dict(status="error", note=f"{type(exc).__name__}: {exc}"[:300])
 
