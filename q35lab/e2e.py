@@ -541,6 +541,17 @@ def _sizes(args):
         yield T
 
 
+def out_of_memory_note(exc: BaseException) -> str:
+    """Where the allocation that failed was made (the innermost three frames) and the allocator's
+    own account: the size asked for, what was in use, and what was reserved but unallocated (a
+    large remainder there means fragmentation, not a lack of memory). PyTorch's advice is dropped."""
+    frames = traceback.extract_tb(exc.__traceback__)[-3:]
+    where = " < ".join(f"{frame.name} ({Path(frame.filename).name}:{frame.lineno})" for frame in reversed(frames))
+    message = " ".join(str(exc).split())
+    account = message.split(" If reserved but unallocated")[0].split(" See documentation")[0]
+    return f"out of memory in {where}: {account}"[:600]
+
+
 def _measured(model, T: int, args) -> dict:
     """The row's measurements, or its status when the variant runs out of memory or fails."""
     steps, warmup = (args.steps, args.warmup) if T in args.T else (1, 0)  # --fit asks only: does it fit?
@@ -554,10 +565,8 @@ def _measured(model, T: int, args) -> dict:
             except Exception as exc:  # (memory_at_peak has stopped the recording itself)
                 row["note"] = f"memory-at-peak failed: {type(exc).__name__}: {exc}"[:300]
         return row
-    except torch.cuda.OutOfMemoryError as exc:  # where and how much: which allocation hit the limit
-        frames = traceback.extract_tb(exc.__traceback__)[-3:]
-        where = " < ".join(f"{frame.name} ({frame.filename.rsplit('/', 1)[-1]}:{frame.lineno})" for frame in reversed(frames))
-        return dict(status="oom", note=f"out of memory in {where}: {str(exc).split(' Including')[0]}"[:300])
+    except torch.cuda.OutOfMemoryError as exc:
+        return dict(status="oom", note=out_of_memory_note(exc))
     except Exception as exc:  # a variant failing is a result
         return dict(status="error", note=f"{type(exc).__name__}: {exc}"[:300])
 

@@ -166,6 +166,25 @@ def test_fit_asks_for_longer_sequences_up_to_the_limit():
     assert sizes(fit_from=16384)[2] > 32768  # a start below the sizes asked for is ignored
 
 
+def test_an_out_of_memory_row_says_where_and_keeps_the_allocators_account():
+    message = ("CUDA out of memory. Tried to allocate 5.72 GiB. GPU 0 has a total capacity of 139.80 GiB of "
+               "which 3.30 GiB is free. Including non-PyTorch memory, this process has 136.49 GiB memory in use. "
+               "Of the allocated memory 121.02 GiB is allocated by PyTorch, and 14.87 GiB is reserved by PyTorch "
+               "but unallocated. If reserved but unallocated memory is large try setting "
+               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+
+    def allocate_dx():
+        raise torch.cuda.OutOfMemoryError(message)
+
+    try:
+        allocate_dx()
+    except torch.cuda.OutOfMemoryError as exc:
+        note = e2e.out_of_memory_note(exc)
+    assert note.startswith("out of memory in allocate_dx (test_end_to_end.py:")
+    assert "Tried to allocate 5.72 GiB" in note and "14.87 GiB is reserved by PyTorch but unallocated" in note
+    assert "expandable_segments" not in note
+
+
 def test_peak_breakdown_replays_the_trace_to_its_highest_point():
     def frame(path, name):
         return {"filename": path, "name": name, "line": 1}
