@@ -390,11 +390,16 @@ def train_step(model, optimizer, input_ids: torch.Tensor) -> float:
     return loss.detach().float().item()
 
 
+def _training_setup(model, lr: float):
+    """The model's device, its vocabulary size (for random tokens) and a fresh AdamW over its
+    trainable parameters: what every measured step starts from."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    return next(model.parameters()).device, model.get_input_embeddings().weight.shape[0], optimizer
+
+
 def measure(model, T: int, steps: int = 3, warmup: int = 1, lr: float = 1e-4) -> dict:
     """Median step time and core time over ``steps`` steps after ``warmup``; peak memory; losses."""
-    device = next(model.parameters()).device
-    vocab = model.get_input_embeddings().weight.shape[0]
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    device, vocab, optimizer = _training_setup(model, lr)
     timer = RegionTimer()
     losses, step_ms, core_ms = [], [], []
     on_gpu = device.type == "cuda"
@@ -468,9 +473,7 @@ def peak_breakdown(events: list[dict], top: int = 12) -> tuple[int, list[tuple[s
 def memory_at_peak(model, T: int, lr: float = 1e-4) -> dict:
     """One more training step at ``T`` with the CUDA allocator's history recorded (Python stacks):
     the step's peak above its starting point and its largest sources (MiB), as CSV columns."""
-    device = next(model.parameters()).device
-    vocab = model.get_input_embeddings().weight.shape[0]
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    device, vocab, optimizer = _training_setup(model, lr)
     ids = tokens(T, vocab, device, seed=0)
     torch.cuda.synchronize()
     torch.cuda.memory._record_memory_history(stacks="python", max_entries=2_000_000)
