@@ -7,14 +7,14 @@ checkpoints keep seeing them). ``revert`` puts the originals back. Both are idem
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
 from .ops.gated_rms_norm import GatedRMSNorm
-from .ops.fused_projections import ConcatCache, Projection, fused_lora_projections, pack_rows, unpack_rows
+from .ops.fused_projections import (ConcatCache, Projection, _rows_of_one_buffer, fused_lora_projections, pack_rows,
+                                     unpack_rows)
 from .ops.linear_cross_entropy import linear_cross_entropy
 from .ops.lora import lora_linear
 from .ops.offset_rms_norm import OffsetRMSNorm
@@ -43,6 +43,7 @@ class PatchReport:
     already_patched: int = 0
     not_applied: dict = field(default_factory=dict)  # flag → why it did nothing
     reverted: Counter = field(default_factory=Counter)
+    qwen3_5: bool = True  # whether any Qwen3.5 module (norm, GatedDeltaNet, causal LM) was found
 
     @property
     def total(self) -> int:
@@ -64,6 +65,9 @@ class PatchReport:
             lines.append(f"{self.already_patched} module(s) already patched, left as they are")
         if self.nothing_to_patch:
             lines.append("nothing to patch: no Qwen3.5 module found")
+        elif not self.qwen3_5:
+            lines.append("not a Qwen3.5 model (no Qwen3.5 norm, GatedDeltaNet or causal LM found): "
+                         "only the model-independent parts (PEFT LoRA layers) were patched")
         for flag, why in self.not_applied.items():
             lines.append(f"{flag}: {why}")
         return "PatchReport(\n  " + "\n  ".join(lines) + "\n)"
@@ -78,18 +82,39 @@ def _marked(module: torch.nn.Module, marker: str):
     return vars(module).get(marker)
 
 
-def _override_forward(module: torch.nn.Module, marker: str, make_forward, problem: str | None,
+class _Forward:
+    """The instance-level ``forward`` q35lab gives a module (``nn.Module.__call__`` prefers it).
+
+    An object that holds its module rather than a closure over it: ``copy.deepcopy`` then gives
+    the copy a forward bound to the copied module (deepcopy's memo maps one to the other), and
+    ``pickle``/``torch.save`` store it by its class's name. ``inspect.signature`` follows
+    ``__wrapped__`` to the class's own forward, so Trainer still sees the forward's arguments.
+    Subclasses implement ``__call__``.
+    """
+
+    __name__ = "forward"
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    @property
+    def __wrapped__(self):
+        return type(self.module).forward.__get__(self.module)
+
+    def __repr__(self) -> str:
+        return f"<q35lab {type(self).__name__} of {type(self.module).__name__}>"
+
+
+def _override_forward(module: torch.nn.Module, marker: str, forward_class: type, problem: str | None,
                       label: str, report: "PatchReport") -> None:
-    """Give ``module`` an instance-level forward (nn.Module.__call__ uses it), unless it already
-    has one of ours or ``problem`` says it cannot be handled exactly; the report says which."""
+    """Give ``module`` an instance-level forward of ``forward_class``, unless it already has one
+    of ours or ``problem`` says it cannot be handled exactly; the report says which."""
     if _marked(module, marker) is not None:
         report.already_patched += 1
     elif problem:
         report.left_alone[f"{label}: {problem}"] += 1
     else:
-        # keep the original's name and signature visible (inspect follows __wrapped__): Trainer
-        # drops every dataset column a forward's signature does not name
-        module.forward = functools.update_wrapper(make_forward(module), module.forward)
+        module.forward = forward_class(module)
         object.__setattr__(module, marker, True)
         report.replaced[label] += 1
 
@@ -178,18 +203,16 @@ def _lora_call(layer: torch.nn.Module, x: torch.Tensor, args: tuple, kwargs: dic
                        layer.scaling[name], base.bias, p)
 
 
-def _routed_forward(layer: torch.nn.Module):
-    peft_forward = type(layer).forward
+class _RoutedLoRAForward(_Forward):
+    """A PEFT LoRA layer's forward: lora_linear when it computes the call exactly, else PEFT's."""
 
-    def forward(x, *args, **kwargs):
-        out = _lora_call(layer, x, args, kwargs)
-        return peft_forward(layer, x, *args, **kwargs) if out is None else out
-
-    return forward
+    def __call__(self, x, *args, **kwargs):
+        out = _lora_call(self.module, x, args, kwargs)
+        return type(self.module).forward(self.module, x, *args, **kwargs) if out is None else out
 
 
 def _route_lora(layer: torch.nn.Module, report: "PatchReport") -> None:
-    _override_forward(layer, _LORA_PATCHED, _routed_forward, _lora_static_problem(layer),
+    _override_forward(layer, _LORA_PATCHED, _RoutedLoRAForward, _lora_static_problem(layer),
                       "PEFT lora.Linear (forward)", report)
 
 
@@ -253,19 +276,36 @@ def _projection_now(module: torch.nn.Module) -> Projection | None:
 
 
 class _InProjGroup:
+    """The four projections of one GatedDeltaNet, computed together on their shared input."""
+
     def __init__(self, modules: list[torch.nn.Module]):
         self.modules = modules
         # The four frozen base weights moved into one buffer, so that the fused GEMM's
         # concatenated weight is a view of it rather than a second copy of the weights.
         self.packed = pack_rows([_base_layer(m).weight for m in modules])
+        self._reset()
+
+    def _reset(self) -> None:
         self.cache = ConcatCache()
         self.input_key = None
         self.pending: dict[int, torch.Tensor] = {}
+
+    def __getstate__(self) -> dict:
+        # A copy (deepcopy, pickle) keeps the modules, not the outputs or weights of this step.
+        return {"modules": self.modules, "packed": self.packed}
+
+    def __setstate__(self, state: dict) -> None:
+        self.modules = state["modules"]
+        # deepcopy and pickle give each weight a buffer of its own: packed again at the first call
+        self.packed = None if state["packed"] else False
+        self._reset()
 
     def output(self, index: int, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         module = self.modules[index]
         if args or kwargs:
             return type(module).forward(module, x, *args, **kwargs)
+        if self.packed is None:
+            self.packed = _pack_again([_base_layer(m).weight for m in self.modules])
         key = (id(x), x._version, x.data_ptr(), torch.is_grad_enabled(),
                torch.is_autocast_enabled(x.device.type))
         if key != self.input_key or index not in self.pending:
@@ -275,6 +315,26 @@ class _InProjGroup:
             self.pending = dict(enumerate(fused_lora_projections(x, projections, cache=self.cache)))
             self.input_key = key
         return self.pending.pop(index)
+
+
+def _pack_again(weights: list[torch.Tensor]) -> bool:
+    """Pack a copied group's weights, unless they still lie back to back (torch.load keeps the
+    buffer they shared when saved; deepcopy gives each weight its own)."""
+    if _rows_of_one_buffer(weights, weights[0].dtype) is not None:
+        return True
+    with torch.no_grad():
+        return pack_rows(weights)
+
+
+class _InProjForward(_Forward):
+    """One in_proj projection's forward: its output from the group's fused computation."""
+
+    def __init__(self, module: torch.nn.Module, group: _InProjGroup, index: int):
+        super().__init__(module)
+        self.group, self.index = group, index
+
+    def __call__(self, x, *args, **kwargs):
+        return self.group.output(self.index, x, args, kwargs)
 
 
 def _fuse_in_proj(gdn: torch.nn.Module, report: "PatchReport") -> None:
@@ -290,8 +350,7 @@ def _fuse_in_proj(gdn: torch.nn.Module, report: "PatchReport") -> None:
     for index, module in enumerate(modules):
         if _marked(module, _LORA_PATCHED) is not None:  # routed by lora=True earlier: the group takes over
             _unroute_lora(module, PatchReport())
-        forward = (lambda i: lambda x, *a, **k: group.output(i, x, a, k))(index)
-        module.forward = functools.update_wrapper(forward, module.forward)
+        module.forward = _InProjForward(module, group, index)
         object.__setattr__(module, _IN_PROJ, group)
     report.replaced[f"{type(gdn).__name__} in_proj (4 projections, 1 node)"] += 1
 
@@ -365,15 +424,39 @@ def _flce_problem(model: torch.nn.Module) -> str | None:
     return None
 
 
-def _flce_forward(model: torch.nn.Module):
-    own_forward = type(model).forward
+def _head_has_hooks(head: torch.nn.Module) -> bool:
+    """Whether a forward hook would see lm_head's output (its own, its active linear's, or a global
+    one): such hooks expect logits, so the fused loss, which makes none, must not run."""
+    from torch.nn.modules import module as nn_module
 
-    def forward(*args, **kwargs):
+    modules = {head, _head_linear(head)} - {None}
+    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks or any(
+        m._forward_hooks or m._forward_pre_hooks for m in modules))
+
+
+class _FusedLossForward(_Forward):
+    """A causal LM's forward that, given labels, computes the loss from the hidden states.
+
+    The model's own forward runs with lm_head swapped for an identity, so its "logits" are the
+    hidden states and everything else it does (the backbone, a VL model's vision tower, an MoE's
+    router loss) is its own. The swap is a plain attribute write, which torch.compile traces.
+    Logits are not returned then. Without labels, or when a hook is registered on lm_head (it
+    expects logits), the model's own forward runs, and its loss is transformers'.
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__(module)
+        self.identity = _HiddenStates()
+
+    def __call__(self, *args, **kwargs):
+        model = self.module
+        own_forward = type(model).forward
         labels = kwargs.pop("labels", None)
-        if labels is None or kwargs.get("return_dict") is False or len(args) > 1 or _flce_problem(model):
+        if (labels is None or kwargs.get("return_dict") is False or len(args) > 1 or _flce_problem(model)
+                or _head_has_hooks(model.lm_head)):
             return own_forward(model, *args, labels=labels, **kwargs)  # the model's own path
         head = model.lm_head
-        model.lm_head = _HiddenStates()
+        model.lm_head = self.identity
         try:
             out = own_forward(model, *args, **kwargs)  # "logits" = hidden states
         finally:
@@ -385,14 +468,12 @@ def _flce_forward(model: torch.nn.Module):
         out.logits = None
         return out
 
-    return forward
-
 
 def _patch_loss(model: torch.nn.Module, report: "PatchReport") -> None:
     name = type(model).__name__
     problem = _flce_problem(model)
     label = f"{name} loss" if problem else f"{name} loss (fused linear cross entropy)"
-    _override_forward(model, _FLCE, _flce_forward, problem, label, report)
+    _override_forward(model, _FLCE, _FusedLossForward, problem, label, report)
 
 
 def _unpatch_loss(model: torch.nn.Module, report: "PatchReport") -> None:
@@ -415,6 +496,12 @@ def _replacement_rule(module: torch.nn.Module):
     return None
 
 
+def _is_qwen3_5_module(module: torch.nn.Module) -> bool:
+    cls = type(module)
+    known = OFFSET_RMS_NORM_CLASSES + HF_GATED_NORM_CLASSES + FLCE_CLASSES
+    return (cls.__name__ in known and cls.__module__.startswith("transformers.")) or _is_gated_delta_net(module)
+
+
 def apply_to_qwen3_5(
     model: torch.nn.Module,
     *,
@@ -433,14 +520,24 @@ def apply_to_qwen3_5(
     the modules as already patched). Patch after moving the model to its device and dtype: the
     in_proj fusion moves each GatedDeltaNet's four frozen weights into one buffer there, which a
     later ``.to()`` splits again (still correct, but the fused GEMM then keeps its own copy).
+
+    With PEFT, patch the wrapped model (after ``get_peft_model``). LoRA layers added after a
+    patch run PEFT's own forward until ``apply_to_qwen3_5`` is called again; the report of a
+    model without LoRA layers says so. A patched model can be deep-copied (the copy computes
+    with its own weights), pickled with ``torch.save`` and compiled (q35lab's ops are graph
+    breaks). The fused loss makes no logits: while a forward hook is registered on ``lm_head``
+    (hooks expect logits) the model's own loss runs instead.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     enabled = {"rms_norm": rms_norm, "gated_norm": gated_norm, "lora": lora, "in_proj": in_proj, "flce": flce}
-    report = PatchReport()
+    report = PatchReport(qwen3_5=any(map(_is_qwen3_5_module, model.modules())))
     for flag, wanted in enabled.items():
         if not wanted:
             report.not_applied[flag] = "disabled by the caller"
+    if lora and not any(map(_is_peft_lora_linear, model.modules())):
+        report.not_applied["lora"] = ("no PEFT LoRA layers in the model; if you add adapters later "
+                                      "(peft.get_peft_model), call apply_to_qwen3_5 again afterwards")
     for module in model.modules():
         cls = type(module)
         if in_proj and _is_gated_delta_net(module):

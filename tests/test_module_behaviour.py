@@ -1,0 +1,118 @@
+"""A patched model is still a torch module: deepcopy, pickle, hooks and compile behave as on the
+unpatched one (issue 14). Each test compares against the unpatched model by the same steps."""
+
+import copy
+import io
+
+import pytest
+import torch
+
+import q35lab
+from q35lab.ops.fused_projections import FusedLoRAProjectionsFunction
+from q35lab.runtime import device
+
+from tiny_models import causal_lm, count_forward_calls, loss_and_grads
+
+IN_PROJ = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+
+def _frozen_in_proj_model():
+    """A bare tiny Qwen3.5 whose GatedDeltaNet projections are frozen, so the in_proj fusion applies."""
+    model = causal_lm()
+    for name, p in model.named_parameters():
+        if any(f"{proj}." in name for proj in IN_PROJ):
+            p.requires_grad_(False)
+    return model
+
+
+def _peft_model():
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "out_proj", *IN_PROJ,
+                                                                 "gate_proj", "down_proj"])
+    return peft.get_peft_model(causal_lm(), config)
+
+
+def _perturb(model, seed):
+    """Change every parameter by the same seeded noise (the same on two models with the same names)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            p.add_(0.05 * torch.randn(p.shape, generator=generator).to(p.device, p.dtype))
+
+
+def _assert_close_step(a, b):
+    (loss_a, grads_a), (loss_b, grads_b) = a, b
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-5)
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("build", [_frozen_in_proj_model, _peft_model], ids=["bare", "peft"])
+def test_a_deep_copy_computes_with_its_own_weights_and_owns_its_gradients(build):
+    reference = build()  # stays unpatched
+    model = copy.deepcopy(reference)
+    report = q35lab.apply_to_qwen3_5(model)
+    assert any("in_proj" in label for label in report.replaced) and any("loss" in label for label in report.replaced)
+    ids = torch.randint(0, 128, (2, 9), device=device())
+
+    twin = copy.deepcopy(model)  # what EMA, TRL's reference model and many loops do
+    twin_reference = copy.deepcopy(reference)
+    _perturb(twin, seed=1)
+    _perturb(twin_reference, seed=1)
+    model.zero_grad(set_to_none=True)
+    _assert_close_step(loss_and_grads(twin, ids), loss_and_grads(twin_reference, ids))
+    assert all(p.grad is None for p in model.parameters()), "the copy's backward wrote into the original"
+    # the original still computes with its own (unperturbed) weights
+    _assert_close_step(loss_and_grads(model, ids), loss_and_grads(reference, ids))
+    # and the copy is patched: its in_proj runs as one fused node, each GatedDeltaNet once
+    assert any(type(m.forward).__module__ == "q35lab.patch" for m in twin.modules() if "forward" in vars(m))
+
+
+def test_pickle_round_trip_gives_a_working_patched_model(monkeypatch):
+    model = _frozen_in_proj_model()
+    q35lab.apply_to_qwen3_5(model)
+    ids = torch.randint(0, 128, (1, 8), device=device())
+    expected = loss_and_grads(model, ids)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    calls = count_forward_calls(monkeypatch, FusedLoRAProjectionsFunction)
+    _assert_close_step(loss_and_grads(loaded, ids), expected)
+    assert len(calls) == 1, "the loaded model's in_proj should still be one fused node"
+    report = q35lab.revert(loaded)
+    assert report.reverted and not any("forward" in vars(m) for m in loaded.modules())
+    _assert_close_step(loss_and_grads(loaded, ids), expected)
+
+
+def test_a_forward_hook_on_lm_head_fires_with_logits_and_the_loss_is_unchanged():
+    reference = causal_lm()
+    model = copy.deepcopy(reference)
+    q35lab.apply_to_qwen3_5(model)
+    seen = []
+    model.lm_head.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    ids = torch.randint(0, 128, (2, 7), device=device())
+    _assert_close_step(loss_and_grads(model, ids), loss_and_grads(reference, ids))
+    assert seen == [torch.Size([2, 7, 128])]
+
+
+def test_the_report_says_when_the_model_is_not_qwen3_5():
+    peft = pytest.importorskip("peft")
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    wrapped = peft.get_peft_model(plain, peft.LoraConfig(r=2, target_modules=["0", "2"]))
+    report = q35lab.apply_to_qwen3_5(wrapped)
+    assert report.replaced == {"PEFT lora.Linear (forward)": 2}
+    assert not report.qwen3_5 and "not a Qwen3.5 model" in str(report)
+    assert q35lab.apply_to_qwen3_5(causal_lm()).qwen3_5
+
+
+def test_lora_layers_added_after_patching_are_named_and_a_second_call_routes_them(monkeypatch):
+    peft = pytest.importorskip("peft")
+    model = causal_lm()
+    first = q35lab.apply_to_qwen3_5(model)
+    assert "call apply_to_qwen3_5 again" in first.not_applied["lora"]
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
+    second = q35lab.apply_to_qwen3_5(wrapped)
+    assert second.replaced["PEFT lora.Linear (forward)"] == 2 + 2  # q, v of the attention layer; 2 MLPs' down
+    assert "lora" not in second.not_applied
