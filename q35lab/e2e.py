@@ -55,25 +55,45 @@ CORE_FUNCTIONS = ("torch_chunk_gated_delta_rule", "chunk_gated_delta_rule", "cau
 # ----------------------------------------------------------------------------------------------
 # The model
 # ----------------------------------------------------------------------------------------------
-def config(size: str = "h200", layers: int = 4):
-    """A Qwen3.5 text config: ``"h200"`` keeps transformers' default dimensions (hidden 4096,
-    vocabulary 248,320, GatedDeltaNet 16×128 keys / 32×128 values) with ``layers`` decoder layers,
-    every fourth full attention; ``"tiny"`` is a CPU-sized model with the same structure."""
-    from transformers import Qwen3_5TextConfig
+#: Qwen3.5 sizes, as torchtitan's ``models/qwen3_5/flavors.py`` and the checkpoints' configs give
+#: them (every fourth layer full attention, attention head dim 256, GatedDeltaNet head dim 128,
+#: vocabulary 248,320). "9b" is transformers' default ``Qwen3_5TextConfig``.
+SIZES = {
+    "9b": dict(layers=32),
+    "27b": dict(layers=64, hidden_size=5120, intermediate_size=17408, num_attention_heads=24, num_key_value_heads=4,
+                linear_num_key_heads=16, linear_num_value_heads=48),
+    "35b-a3b": dict(layers=40, moe=True, hidden_size=2048, num_attention_heads=16, num_key_value_heads=2,
+                    linear_num_key_heads=16, linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
+                    moe_intermediate_size=512, shared_expert_intermediate_size=512),
+}
 
+
+def config(size: str = "h200", layers: int | None = None):
+    """A Qwen3.5 text config. ``"9b"``, ``"27b"``, ``"35b-a3b"``: the real dimensions (``SIZES``),
+    all their layers unless ``layers`` says fewer; ``"h200"``: transformers' default dimensions
+    (the 9B's) with ``layers`` decoder layers (4 by default); ``"tiny"``: a CPU-sized model with
+    the same structure."""
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+
+    if size in SIZES:
+        dims = dict(SIZES[size])
+        layers = layers or dims.pop("layers")
+        dims.pop("layers", None)
+        moe = dims.pop("moe", False)
+    elif size in ("h200", "tiny"):
+        layers, dims, moe = layers or 4, {}, False
+    else:
+        raise ValueError(f"size: expected one of {sorted(SIZES) + ['h200', 'tiny']}, got {size!r}")
     layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
-    if size == "h200":
-        return Qwen3_5TextConfig(num_hidden_layers=layers, layer_types=layer_types)
     if size == "tiny":
-        return Qwen3_5TextConfig(
-            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-            linear_key_head_dim=16, linear_value_head_dim=16, layer_types=layer_types,
-        )
-    raise ValueError(f"size: expected 'h200' or 'tiny', got {size!r}")
+        dims = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                    head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                    linear_value_head_dim=16)
+    config_class = Qwen3_5MoeTextConfig if moe else Qwen3_5TextConfig
+    return config_class(num_hidden_layers=layers, layer_types=layer_types, **dims)
 
 
-def build(size: str = "h200", layers: int = 4, rank: int = 16, device=None, dtype=torch.bfloat16, seed: int = 0,
+def build(size: str = "h200", layers: int | None = None, rank: int = 16, device=None, dtype=torch.bfloat16, seed: int = 0,
           checkpointing: bool = True, modules_to_save: list[str] | None = None):
     """``AutoModelForCausalLM.from_config`` (random weights, seeded), LoRA r=``rank`` on every
     linear layer (PEFT's defaults otherwise: fp32 adapters), gradient checkpointing.

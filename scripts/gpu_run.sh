@@ -13,8 +13,10 @@
 #   LAYER_T, E2E_VARIANTS, E2E_T (space-separated), E2E_FIT=1 (search the longest T that fits) and
 #   E2E_ARGS (more options for `python -m q35lab.e2e`, e.g. "--steps 2 --fit-from 196608 --fit-step 1.1").
 #
-# flash-linear-attention is installed only for steps that measure it: with it, a Qwen3.5
-# training step raises on Hopper with Triton 3.6 (fla#640), which the model tests would hit.
+# The delta-rule core is flash-linear-attention's, on the slim Triton 3.7.1 (../shared/GPU.md):
+# fla 0.6 refuses the GatedDeltaNet backward on Hopper with Triton 3.4-3.7.0 (fla#640), so the
+# slim Triton, unpacked into /tmp/tri, comes first on the path and shadows the image's 3.6.
+# NO_FLA=1 runs without fla (the PyTorch delta rule: what users without fla get).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -26,8 +28,14 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     $(ls .whl/*.whl | grep -v -e fla -e flash_linear) || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_fla \
     $(ls .whl/*.whl | grep -e fla -e flash_linear) 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD
-WITH_FLA=/tmp/site_fla:/tmp/site:$PWD
+TRI=
+if [[ -s .whl/triton-3.7.1-slim.tar.xz ]]; then
+  mkdir -p /tmp/tri && tar xJf .whl/triton-3.7.1-slim.tar.xz -C /tmp/tri && TRI=/tmp/tri:
+fi
+export PYTHONPATH=${TRI}$( [[ -n ${NO_FLA:-} ]] || echo /tmp/site_fla:)/tmp/site:$PWD
+export TRITON_CACHE_AUTOTUNING=1  # fla autotunes each shape once; later processes reuse the result
+WITH_FLA=$PYTHONPATH
+python3 -c "import triton, torch; print('triton', triton.__version__, 'torch', torch.__version__)"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 gpu=$(python3 -c "from q35lab.bench import core; print(core.gpu_slug())")
 mkdir -p data/bench/$gpu
@@ -50,8 +58,7 @@ done
 if [[ $STEPS == *overhead* ]]; then
   step overhead python3 scripts/host_overhead.py data/bench/$gpu/offset_rms_norm_host_overhead.csv
 fi
-# whole-model measurements (issue 7 and issue 5's layer): without fla, whose delta-rule backward
-# refuses Hopper + Triton 3.6; every variant runs in a process of its own
+# whole-model measurements: every variant runs in a process of its own
 [[ $STEPS == *layer* ]] && step layer python3 -m q35lab.e2e --what layer --layers 1 \
     --variants ${LAYER_VARIANTS:-peft q35lab} --T ${LAYER_T:-8192 32768} --out data/bench/$gpu/gdn_layer.csv
 [[ $STEPS == *e2e* ]] && step e2e python3 -m q35lab.e2e \
@@ -62,9 +69,7 @@ fi
 [[ $STEPS == *bench* ]] && step plots python3 -m q35lab plots
 if [[ $STEPS == *notebooks* ]]; then  # one step per notebook: a slow one cannot starve the next
   for nb in $(cd notebooks && ls $NOTEBOOKS); do
-    path=$WITH_FLA  # notebook 06 trains whole models: fla's delta-rule backward would refuse (above)
-    [[ $nb == 06_* ]] && path=$PYTHONPATH
-    (cd notebooks && step "notebooks_${nb%.ipynb}" env PYTHONPATH=$path python3 -m pytest -q -p no:cacheprovider \
+    (cd notebooks && step "notebooks_${nb%.ipynb}" python3 -m pytest -q -p no:cacheprovider \
         -o addopts="" --nbmake --nbmake-timeout=600 --overwrite "$nb")
   done
 fi
