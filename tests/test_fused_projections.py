@@ -189,6 +189,57 @@ def test_bad_input_raises_naming_the_argument(change, message):
 
 
 # ---------------------------------------------------------------------------------------------
+# Behaving like four nn.Linear modules: in-place edits of the outputs, no tokens, torch.compile.
+# ---------------------------------------------------------------------------------------------
+def _in_fp64(ps):
+    def leaf(t):
+        return None if t is None else t.detach().double().requires_grad_(t.requires_grad)
+
+    return [Projection(leaf(p.weight), leaf(p.bias), leaf(p.lora_A), leaf(p.lora_B), p.scaling, p.dropout) for p in ps]
+
+
+def _assert_every_result_by_rule(run, x, ps):
+    """``run(fn, x, ps)`` with the fused op, with the unfused reference in x's dtype and in fp64:
+    every output and the gradient of x and of every adapter by the numerics rule."""
+    x64, ps64 = x.detach().double().requires_grad_(), _in_fp64(ps)
+    outs, refs = run(fused_lora_projections, x, ps), run(fused_lora_projections_ref, x, ps)
+    refs64 = run(fused_lora_projections_ref, x64, ps64)
+    for i, (o, r, e) in enumerate(zip(outs, refs, refs64)):
+        assert o.shape == e.shape and o.dtype == r.dtype
+        assert_close_by_rule(f"y{i}", o, r, e)
+    dys = [torch.randn_like(e) for e in refs64]
+    names = ["dx"] + [f"d{n}{i}" for i, p in enumerate(ps) if p.has_adapter for n in ("A", "B")]
+    ours = torch.autograd.grad(outs, [x, *_adapters(ps)], [d.to(o.dtype) for d, o in zip(dys, outs)])
+    theirs = torch.autograd.grad(refs, [x, *_adapters(ps)], [d.to(r.dtype) for d, r in zip(dys, refs)])
+    exact = torch.autograd.grad(refs64, [x64, *_adapters(ps64)], dys)
+    for name, a, b, c in zip(names, ours, theirs, exact):
+        assert a.shape == c.shape and a.dtype == b.dtype, name
+        assert_close_by_rule(name, a, b, c)
+
+
+@pytest.mark.parametrize("lead,dtype", [
+    ((7,), torch.float32), ((2, 5), torch.float32), ((), torch.float32),
+    ((3, 43), torch.bfloat16),  # bf16 with enough elements for the rule's maxima to be stable
+])
+@pytest.mark.parametrize("with_adapter,bias", [((True,) * 4, False), ((True, False, False, True), True)])
+def test_each_output_can_be_edited_in_place_like_a_linear_output(lead, dtype, with_adapter, bias):
+    ps = _projections(with_adapter, dtype=dtype, bias=bias)
+    x = torch.randn(*lead, K, device=device()).to(dtype).requires_grad_()
+    fused = fused_lora_projections(x, ps)
+    assert len(_storages(fused)) == 1  # still one buffer: no output was copied out of it
+
+    def edited(fn, x, ps):
+        qkv, z, b, a = fn(x, ps)
+        z_scaled = z * z.new_full(z.shape[-1:], 1.5, requires_grad=True)  # saves z: editing the others must not disturb it
+        qkv.mul_(2.0)
+        b[..., :3].sub_(1.0).mul_(-0.5)  # a view of an output, edited
+        a.add_(z[..., :8])
+        return qkv, z_scaled, b, a
+
+    _assert_every_result_by_rule(edited, x, ps)
+
+
+# ---------------------------------------------------------------------------------------------
 # The model: four in_proj LoRA projections of every GatedDeltaNet as one node.
 # ---------------------------------------------------------------------------------------------
 def _peft_tiny(targets):

@@ -127,6 +127,59 @@ def test_bad_input_raises_naming_the_argument(kwargs, error, message):
         lora_linear(**args)
 
 
+# ---------------------------------------------------------------------------------------------
+# Behaving like F.linear: in-place edits of the output, zero sizes, torch.compile.
+# ---------------------------------------------------------------------------------------------
+def _problem(lead, K, N, r, bias, dtype=torch.float32):
+    """Fresh arguments of lora_linear in ``dtype`` (fp32 adapters: PEFT's default) and in fp64
+    (every tensor but the frozen base weight requires grad), and the names of those that do."""
+    def draw(*shape, scale=1.0):
+        return scale * torch.randn(*shape, device=device())
+
+    values = dict(x=draw(*lead, K), weight=draw(N, K, scale=K ** -0.5 if K else 1.0), lora_A=draw(r, K, scale=0.3),
+                  lora_B=draw(N, r, scale=0.3), bias=draw(N) if bias else None)
+    trained = [name for name, v in values.items() if v is not None and name != "weight"]
+
+    def copy(to, adapters_to):
+        return {n: None if v is None else v.to(adapters_to if n.startswith("lora_") else to).requires_grad_(n in trained)
+                for n, v in values.items()}
+
+    return copy(dtype, torch.float32), copy(torch.float64, torch.float64), trained
+
+
+def _assert_every_result_by_rule(run, args, args64, trained):
+    """``run(fn, args)`` with lora_linear, with the reference in the same dtype and in fp64: the
+    output and the gradient of every trained argument by the numerics rule."""
+    out, ref, ref64 = run(lora_linear, args), run(lora_linear_ref, args), run(lora_linear_ref, args64)
+    assert out.shape == ref64.shape and out.dtype == ref.dtype
+    assert_close_by_rule("y", out, ref, ref64)
+    dy = torch.randn_like(ref64)
+    leaves, leaves64 = [args[n] for n in trained], [args64[n] for n in trained]
+    ours = torch.autograd.grad(out, leaves, dy.to(out.dtype))
+    theirs = torch.autograd.grad(ref, leaves, dy.to(ref.dtype))
+    exact = torch.autograd.grad(ref64, leaves64, dy)
+    for name, a, b, c in zip(trained, ours, theirs, exact):
+        assert a.shape == c.shape and a.dtype == args[name].dtype, name
+        assert_close_by_rule(f"d{name}", a, b, c)
+
+
+@pytest.mark.parametrize("lead,dtype", [
+    ((7,), torch.float32), ((2, 5), torch.float32), ((1,), torch.float32), ((), torch.float32),  # rows, batched, 1, a vector
+    ((3, 43), torch.bfloat16),  # bf16 with enough elements for the rule's maxima to be stable
+])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_output_can_be_edited_in_place_like_f_linear(lead, dtype, bias):
+    args, args64, trained = _problem(lead, 37, 19, 3, bias, dtype)
+
+    def edited(fn, a):
+        y = fn(a["x"], a["weight"], a["lora_A"], a["lora_B"], 1.5, a["bias"])
+        y.mul_(2.0)  # the whole output, then a view of it
+        y[..., :4].sub_(0.25).mul_(-0.5)
+        return y
+
+    _assert_every_result_by_rule(edited, args, args64, trained)
+
+
 def test_peft_layers_are_routed_and_fall_back_when_they_must(monkeypatch):
     model, layer = _peft_layer(32, 24, 4, alpha=8)
     report = q35lab.apply_to_qwen3_5(model)

@@ -25,6 +25,13 @@ optimizer step and are concatenated on every call (Σr·K values: negligible). A
 hold every base weight twice (ΣN·K values: 101 MB per GatedDeltaNet at the default dims), so
 ``pack_rows`` can first move the weights into one buffer, each its own row slice of it: the
 concatenation is then a view of that buffer, not a copy.
+
+The outputs are column blocks of the one ``[T, ΣN]`` buffer ``y``, handed out as tensors of their
+own over its memory (``set_``), not as views: autograd forbids in-place edits of views made inside
+a Function, and separate ``nn.Linear`` outputs allow them. That is sound because the blocks are
+disjoint and the backward never reads ``y``: an in-place edit of ``y_i`` changes no other output,
+and autograd hands the Function the edited ``y_i``'s gradient as usual. Each output keeps its own
+version counter, as separate modules' outputs do.
 """
 
 from __future__ import annotations
@@ -159,10 +166,9 @@ class FusedLoRAProjectionsFunction(torch.autograd.Function):
             xa = x2d.new_empty(0)
             y = x2d @ weight_cat.t() if bias_cat is None else torch.addmm(bias_cat, x2d, weight_cat.t())
         ctx.save_for_backward(x2d, weight_cat, xa, *adapters)
-        ctx.meta, ctx.offsets = meta, offsets
+        ctx.meta, ctx.offsets, ctx.x_shape = meta, offsets, x.shape
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: no GEMM on zeros
-        lead = x.shape[:-1]
-        return tuple(y[:, offsets[i]:offsets[i + 1]].view(*lead, n) for i, n in enumerate(out_features))
+        return tuple(_column_block(y, offsets[i], offsets[i + 1], x.shape[:-1]) for i in range(len(out_features)))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -187,7 +193,7 @@ class FusedLoRAProjectionsFunction(torch.autograd.Function):
             dA = (dxa_i.t() @ _dropped(x2d, dropout, seed)).to(a.dtype)
             dB = (dys[i].t() @ xa_i).to(b.dtype) * s
             adapter_grads += [dA, dB]
-        dx = dx.view(*grads_shape(grads, x2d))
+        dx = dx.view(ctx.x_shape)
         return (dx, None, None, None, *adapter_grads)
 
 
@@ -243,12 +249,11 @@ def _block_diagonal_b(lora_meta, B_list, offsets, dtype, device) -> torch.Tensor
     return block
 
 
-def grads_shape(grads, x2d):
-    """The leading shape of the outputs (taken from any present gradient) plus in_features."""
-    for g in grads:
-        if g is not None:
-            return (*g.shape[:-1], x2d.shape[-1])
-    return tuple(x2d.shape)
+def _column_block(y: torch.Tensor, start: int, stop: int, lead: torch.Size) -> torch.Tensor:
+    """Columns ``start:stop`` of ``y`` (``[T, ΣN]``) as a ``[*lead, stop − start]`` tensor over the
+    same memory (no copy) that is not a view to autograd, so the caller may edit it in place."""
+    block = y[:, start:stop].view(*lead, stop - start)
+    return y.new_empty(0).set_(y.untyped_storage(), block.storage_offset(), block.shape, block.stride())
 
 
 def fused_lora_projections(x: torch.Tensor, projections, *, cache: ConcatCache | None = None) -> tuple[torch.Tensor, ...]:
@@ -258,7 +263,10 @@ def fused_lora_projections(x: torch.Tensor, projections, *, cache: ConcatCache |
         x: ``[..., K]``; cast to the autocast dtype under autocast, as ``F.linear`` would.
         projections: ``Projection``s sharing ``x`` (adapters optional, mixed freely).
         cache: keeps the concatenated base weights between calls (built anew without one).
-    The outputs are column slices of one ``[T, ΣN]`` buffer (views, not copies).
+
+    The outputs share one ``[T, ΣN]`` buffer (column blocks, strided, no copies) but are not
+    views: each may be edited in place, with correct gradients, like a separate ``nn.Linear``'s
+    output.
     """
     check_float_tensor("x", x)
     projections = list(projections)

@@ -26,6 +26,10 @@ then accumulates onto it (``addmm_`` with β = 1). The GEMM is compute-bound, so
 buffer in its epilogue is nearly free; adding the term afterwards would read and write the
 whole ``[T, N]`` output once more at memory speed. The same holds for ``dx`` in the backward.
 Either way the peak holds one ``[T, N]`` output, as the base alone.
+
+The output is allocated in its final shape ``[..., N]`` and the GEMMs write its ``[T, N]`` view,
+so the Function returns a tensor of its own, not a view made inside it: autograd forbids in-place
+edits of such views, and callers (transformers' modules) edit a linear's output in place.
 """
 
 from __future__ import annotations
@@ -68,14 +72,23 @@ class LoRALinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, lora_A, lora_B, scaling: float, dropout: float, seed: int):
         dtype = x.dtype
         x2d = x.reshape(-1, x.shape[-1])
+        T = x2d.shape[0]
         a, b_scaled = lora_A.to(dtype), (lora_B * scaling).to(dtype)  # rank-r: cheap casts
         xa = _dropped(x2d, dropout, seed) @ a.t()  # [T, r]
-        y = xa @ b_scaled.t() if bias is None else torch.addmm(bias.to(dtype), xa, b_scaled.t())
-        y.addmm_(x2d, weight.to(dtype).t())  # the base GEMM's epilogue adds the adapter term
+        # Returned in its final shape (written through a [T, N] view): a view made here could not
+        # be edited in place by the caller.
+        y = torch.empty(*x.shape[:-1], weight.shape[0], dtype=dtype, device=x.device)
+        y2d = y.view(T, weight.shape[0])
+        if bias is None:
+            torch.mm(xa, b_scaled.t(), out=y2d)
+        else:
+            torch.addmm(bias.to(dtype), xa, b_scaled.t(), out=y2d)
+        y2d.addmm_(x2d, weight.to(dtype).t())  # the base GEMM's epilogue adds the adapter term
         ctx.save_for_backward(x2d, weight, lora_A, lora_B, xa)
         ctx.scaling, ctx.dropout, ctx.seed, ctx.has_bias = scaling, dropout, seed, bias is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return y.view(*x.shape[:-1], weight.shape[0])
+        ctx.x_shape = x.shape
+        return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -91,7 +104,7 @@ class LoRALinearFunction(torch.autograd.Function):
             if ctx.dropout:  # (the mask applies to it alone)
                 dx.mul_(dropout_mask(dx, ctx.dropout, ctx.seed)).div_(1.0 - ctx.dropout)
             dx.addmm_(dy2d, weight.to(dtype))  # ... then the base GEMM accumulates onto it
-            dx = dx.view(*dy.shape[:-1], x2d.shape[-1])
+            dx = dx.view(ctx.x_shape)
         if needs_a:
             dA = (dxa.t() @ _dropped(x2d, ctx.dropout, ctx.seed)).to(lora_A.dtype)
         if needs_bm:
@@ -122,6 +135,8 @@ def lora_linear(x, weight, lora_A, lora_B, scaling, bias=None, dropout=0.0):
         scaling: the adapter scale (``lora_alpha / r``).
         bias: optional ``[out_features]``.
         dropout: probability applied to the adapter's input only (as PEFT); 0 outside training.
+
+    The output is a tensor of its own (not a view): it may be edited in place, as F.linear's.
     """
     for name, t in (("x", x), ("weight", weight), ("lora_A", lora_A), ("lora_B", lora_B)):
         check_float_tensor(name, t)
