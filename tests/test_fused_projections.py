@@ -16,13 +16,13 @@ K = 64
 OUT = (96, 48, 8, 8)  # qkv, z, b, a in miniature
 
 
-def _projections(with_adapter=(True, True, True, True), dtype=torch.float32, dropout=0.0, bias=False, rank=4):
+def _projections(with_adapter=(True, True, True, True), dtype=torch.float32, dropout=0.0, bias=False, rank=4, width=K):
     ps = []
     for n, adapter in zip(OUT, with_adapter):
-        p = Projection((0.1 * torch.randn(n, K, device=device())).to(dtype),
+        p = Projection((0.1 * torch.randn(n, width, device=device())).to(dtype),
                        bias=(0.1 * torch.randn(n, device=device())).to(dtype) if bias else None)
         if adapter:
-            p.lora_A = (0.1 * torch.randn(rank, K, device=device())).requires_grad_()
+            p.lora_A = (0.1 * torch.randn(rank, width, device=device())).requires_grad_()
             p.lora_B = (0.1 * torch.randn(n, rank, device=device())).requires_grad_()
             p.scaling, p.dropout = 2.0, dropout
         ps.append(p)
@@ -237,6 +237,14 @@ def test_each_output_can_be_edited_in_place_like_a_linear_output(lead, dtype, wi
         return qkv, z_scaled, b, a
 
     _assert_every_result_by_rule(edited, x, ps)
+
+
+@pytest.mark.parametrize("lead,width", [((0,), K), ((3, 0), K), ((5,), 0)])  # no tokens (flat, batched); no features
+@pytest.mark.parametrize("bias", [False, True])
+def test_no_tokens_or_no_features_forward_and_backward(lead, width, bias):
+    ps = _projections((True, False, True, True), bias=bias, width=width)
+    x = torch.randn(*lead, width, device=device(), requires_grad=True)
+    _assert_every_result_by_rule(lambda fn, x, ps: fn(x, ps), x, ps)
 
 
 # ---------------------------------------------------------------------------------------------

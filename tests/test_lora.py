@@ -180,6 +180,26 @@ def test_the_output_can_be_edited_in_place_like_f_linear(lead, dtype, bias):
     _assert_every_result_by_rule(edited, args, args64, trained)
 
 
+@pytest.mark.parametrize("lead,K,N,r", [
+    ((4,), 0, 9, 2),  # no input features: the output is the bias
+    ((0,), 16, 9, 2),  # no tokens
+    ((3, 0), 16, 9, 2),  # no tokens in a batch of 3
+    ((4,), 16, 0, 2),  # no output features
+    ((4,), 16, 9, 0),  # rank 0
+    ((0,), 0, 0, 0),
+])
+@pytest.mark.parametrize("bias", [False, True])
+def test_zero_sizes_give_what_f_linear_gives(lead, K, N, r, bias):
+    args, args64, trained = _problem(lead, K, N, r, bias)
+
+    def plain(fn, a):
+        return fn(a["x"], a["weight"], a["lora_A"], a["lora_B"], 2.0, a["bias"])
+
+    _assert_every_result_by_rule(plain, args, args64, trained)
+    if K == 0:  # no features: exactly the bias (or zeros), as F.linear gives
+        assert torch.equal(plain(lora_linear, args), torch.nn.functional.linear(args["x"], args["weight"], args["bias"]))
+
+
 def test_peft_layers_are_routed_and_fall_back_when_they_must(monkeypatch):
     model, layer = _peft_layer(32, 24, 4, alpha=8)
     report = q35lab.apply_to_qwen3_5(model)

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from ._checks import check_float_tensor
-from .lora import _compute_dtype, _dropped, dropout_mask
+from .lora import _compute_dtype, _dropped, _rows, dropout_mask
 
 __all__ = ["Projection", "ConcatCache", "pack_rows", "unpack_rows", "fused_lora_projections",
            "fused_lora_projections_ref"]
@@ -144,7 +144,7 @@ class FusedLoRAProjectionsFunction(torch.autograd.Function):
         """meta: (out_features per projection, [(index, scaling, dropout, seed)] per adapter)."""
         out_features, lora_meta = meta
         dtype = x.dtype
-        x2d = x.reshape(-1, x.shape[-1])
+        x2d = x.reshape(_rows(x), x.shape[-1])
         offsets = [0]
         for n in out_features:
             offsets.append(offsets[-1] + n)
@@ -178,7 +178,7 @@ class FusedLoRAProjectionsFunction(torch.autograd.Function):
         T = x2d.shape[0]
         # Each output's gradient is used as autograd hands it over: gathering them into one
         # [T, ΣN] buffer for a single dy·W GEMM copied ΣN·T values (0.8 GB at 32k tokens).
-        dys = [None if g is None else g.reshape(T, -1).to(dtype) for g in grads]
+        dys = [None if g is None else g.reshape(T, n).to(dtype) for g, n in zip(grads, out_features)]
         weights = [weight_cat[offsets[i]:offsets[i + 1]] for i in range(len(out_features))]
         A_list, B_list = adapters[0::2], adapters[1::2]
         xa_list = torch.split(xa, [a.shape[0] for a in A_list], dim=1) if lora_meta else []
@@ -267,6 +267,7 @@ def fused_lora_projections(x: torch.Tensor, projections, *, cache: ConcatCache |
     The outputs share one ``[T, ΣN]`` buffer (column blocks, strided, no copies) but are not
     views: each may be edited in place, with correct gradients, like a separate ``nn.Linear``'s
     output.
+    Any size may be zero (no tokens, no features, rank 0).
     """
     check_float_tensor("x", x)
     projections = list(projections)

@@ -34,6 +34,8 @@ edits of such views, and callers (transformers' modules) edit a linear's output 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._checks import check_float_tensor, check_same_device
@@ -49,6 +51,12 @@ def dropout_mask(like: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     """
     generator = torch.Generator(device=like.device).manual_seed(seed)
     return torch.empty(like.shape, dtype=torch.float32, device=like.device).bernoulli_(1.0 - p, generator=generator).bool()
+
+
+def _rows(x: torch.Tensor) -> int:
+    """The number of rows of ``x`` as a ``[rows, x.shape[-1]]`` matrix. Spelled out because
+    ``reshape(-1, 0)`` (zero features) is ambiguous and raises."""
+    return math.prod(x.shape[:-1])
 
 
 def _dropped(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
@@ -70,9 +78,8 @@ class LoRALinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, lora_A, lora_B, scaling: float, dropout: float, seed: int):
-        dtype = x.dtype
-        x2d = x.reshape(-1, x.shape[-1])
-        T = x2d.shape[0]
+        dtype, T = x.dtype, _rows(x)
+        x2d = x.reshape(T, x.shape[-1])
         a, b_scaled = lora_A.to(dtype), (lora_B * scaling).to(dtype)  # rank-r: cheap casts
         xa = _dropped(x2d, dropout, seed) @ a.t()  # [T, r]
         # Returned in its final shape (written through a [T, N] view): a view made here could not
@@ -95,7 +102,7 @@ class LoRALinearFunction(torch.autograd.Function):
         x2d, weight, lora_A, lora_B, xa = ctx.saved_tensors
         needs_x, needs_w, needs_b, needs_a, needs_bm = ctx.needs_input_grad[:5]
         dtype = x2d.dtype
-        dy2d = dy.reshape(-1, dy.shape[-1]).to(dtype)
+        dy2d = dy.reshape(x2d.shape[0], dy.shape[-1]).to(dtype)
         a, b_scaled = lora_A.to(dtype), (lora_B * ctx.scaling).to(dtype)
         dxa = dy2d @ b_scaled  # [T, r]: s · dy·B
         dx = dA = dB = dW = db = None
@@ -137,6 +144,7 @@ def lora_linear(x, weight, lora_A, lora_B, scaling, bias=None, dropout=0.0):
         dropout: probability applied to the adapter's input only (as PEFT); 0 outside training.
 
     The output is a tensor of its own (not a view): it may be edited in place, as F.linear's.
+    Any size may be zero (no tokens, no features, rank 0): the result is then what ``F.linear`` gives.
     """
     for name, t in (("x", x), ("weight", weight), ("lora_A", lora_A), ("lora_B", lora_B)):
         check_float_tensor(name, t)
