@@ -172,19 +172,33 @@ def test_pack_rows_leaves_alone_weights_that_cannot_share_a_buffer(weights):
 
 
 @pytest.mark.parametrize(
-    "change,message",
+    "change,error,message",
     [
-        (lambda ps: setattr(ps[0], "weight", torch.randn(96, K + 1)), r"projections\[0\].weight: expected"),
-        (lambda ps: setattr(ps[1], "lora_B", torch.randn(48, 3)), r"projections\[1\].lora_B: expected"),
-        (lambda ps: setattr(ps[2], "lora_B", None), "must be given together"),
-        (lambda ps: ps[3].weight.requires_grad_(), "must be frozen"),
-        (lambda ps: setattr(ps[0], "dropout", 1.5), "dropout: expected a probability"),
+        (lambda ps: setattr(ps[0], "weight", torch.randn(96, K + 1)), ValueError, r"projections\[0\].weight: expected"),
+        (lambda ps: setattr(ps[1], "lora_B", torch.randn(48, 3)), ValueError, r"projections\[1\].lora_B: expected"),
+        (lambda ps: setattr(ps[2], "lora_B", None), ValueError, "must be given together"),
+        (lambda ps: ps[3].weight.requires_grad_(), ValueError, "must be frozen"),
+        (lambda ps: setattr(ps[0], "dropout", 1.5), ValueError, r"projections\[0\].dropout: expected a probability"),
+        (lambda ps: setattr(ps[1], "weight", torch.ones(48, K, dtype=torch.int64)), TypeError,
+         r"projections\[1\].weight: expected dtype bfloat16, float16 or float32, got torch.int64"),
+        (lambda ps: ps.__setitem__(2, (ps[2].weight, None)), TypeError, r"projections\[2\]: expected a q35lab Projection, got tuple"),
+        (lambda ps: setattr(ps[3], "lora_A", ps[3].lora_A.detach().half().to(torch.int32)), TypeError,
+         r"projections\[3\].lora_A: expected dtype"),
+        (lambda ps: setattr(ps[0], "bias", torch.randn(95)), ValueError, r"projections\[0\].bias: expected \[96\], got \(95,\)"),
+        (lambda ps: setattr(ps[1], "bias", torch.ones(48, dtype=torch.bool)), TypeError, r"projections\[1\].bias: expected dtype"),
+        (lambda ps: setattr(ps[2], "lora_A", torch.randn(K)), ValueError, r"projections\[2\].lora_A: expected \[r, 64\]"),
+        (lambda ps: setattr(ps[0], "lora_B", torch.randn(96, 4, 1)), ValueError, r"projections\[0\].lora_B: expected \[96, 4\]"),
+        (lambda ps: setattr(ps[3], "scaling", "two"), TypeError, r"projections\[3\].scaling: expected a real number .*got str"),
+        (lambda ps: setattr(ps[1], "scaling", float("nan")), ValueError, r"projections\[1\].scaling: expected a finite real number"),
+        (lambda ps: setattr(ps[2], "dropout", True), TypeError, r"projections\[2\].dropout: expected a real number .*got bool"),
+        (lambda ps: setattr(ps[0], "lora_B", torch.randn(96, 4, device="meta")), ValueError,
+         r"expected all tensors on one device, got .*projections\[0\].lora_B on meta"),
     ],
 )
-def test_bad_input_raises_naming_the_argument(change, message):
+def test_bad_input_raises_naming_the_argument(change, error, message):
     ps = _projections()
     change(ps)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(error, match=message):
         fused_lora_projections(torch.randn(3, K, device=device()), ps)
 
 

@@ -117,6 +117,15 @@ def test_autocast_computes_like_f_linear():
         (dict(bias=torch.randn(15)), ValueError, "bias: expected"),
         (dict(dropout=1.0), ValueError, "dropout: expected a probability"),
         (dict(x=torch.ones(8, 32, dtype=torch.int64)), TypeError, "x: expected dtype"),
+        (dict(scaling="two"), TypeError, r"scaling: expected a real number \(int or float\), got str"),
+        (dict(scaling=True), TypeError, "scaling: expected a real number .*got bool"),
+        (dict(scaling=torch.tensor(2.0)), TypeError, "scaling: expected a real number .*got Tensor"),
+        (dict(scaling=float("nan")), ValueError, "scaling: expected a finite real number, got nan"),
+        (dict(scaling=float("-inf")), ValueError, "scaling: expected a finite real number"),
+        (dict(dropout="x"), TypeError, "dropout: expected a real number .*got str"),
+        (dict(dropout=False), TypeError, "dropout: expected a real number .*got bool"),
+        (dict(dropout=float("nan")), ValueError, r"dropout: expected a probability in \[0, 1\), got nan"),
+        (dict(dropout=-0.1), ValueError, "dropout: expected a probability"),
     ],
 )
 def test_bad_input_raises_naming_the_argument(kwargs, error, message):
@@ -125,6 +134,15 @@ def test_bad_input_raises_naming_the_argument(kwargs, error, message):
     args.update(kwargs)
     with pytest.raises(error, match=message):
         lora_linear(**args)
+
+
+def test_numpy_and_int_numbers_are_accepted_as_floats():
+    np = pytest.importorskip("numpy")
+    x, W = torch.randn(5, 12, device=device()), torch.randn(7, 12, device=device())
+    A, B = torch.randn(3, 12, device=device()), torch.randn(7, 3, device=device())
+    expected = lora_linear_ref(x, W, A, B, 2.0)
+    for scaling in (2, np.float32(2.0), np.int64(2)):
+        torch.testing.assert_close(lora_linear(x, W, A, B, scaling, dropout=np.float64(0.0)), expected)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_float_tensor
-from .lora import _compute_dtype, _dropped, _rows, dropout_mask
+from ._checks import check_float_tensor, check_same_device
+from .lora import _check_dropout, _check_scaling, _compute_dtype, _dropped, _rows, dropout_mask
 
 __all__ = ["Projection", "ConcatCache", "pack_rows", "unpack_rows", "fused_lora_projections",
            "fused_lora_projections_ref"]
@@ -256,12 +256,48 @@ def _column_block(y: torch.Tensor, start: int, stop: int, lead: torch.Size) -> t
     return y.new_empty(0).set_(y.untyped_storage(), block.storage_offset(), block.shape, block.stride())
 
 
+def _check_tensor_field(name: str, value: object, shape: tuple[int, ...]) -> None:
+    """A bf16/fp16/fp32 tensor of ``shape`` (``TypeError`` / ``ValueError`` naming it else)."""
+    check_float_tensor(name, value)
+    if tuple(value.shape) != shape:
+        expected = ", ".join(map(str, shape))
+        raise ValueError(f"{name}: expected [{expected}], got {tuple(value.shape)}")
+
+
+def _check_projection(i: int, p: object, K: int) -> None:
+    """Every field of ``projections[i]`` (shapes against in_features ``K``), named in the error."""
+    name = f"projections[{i}]"
+    if not isinstance(p, Projection):
+        raise TypeError(f"{name}: expected a q35lab Projection, got {type(p).__name__}")
+    check_float_tensor(f"{name}.weight", p.weight)
+    if p.weight.dim() != 2 or p.weight.shape[1] != K:
+        raise ValueError(f"{name}.weight: expected [N, {K}] (K = last dimension of x), got {tuple(p.weight.shape)}")
+    N = p.weight.shape[0]
+    if p.bias is not None:
+        _check_tensor_field(f"{name}.bias", p.bias, (N,))
+    if p.weight.requires_grad or (p.bias is not None and p.bias.requires_grad):
+        raise ValueError(f"{name}: the base weight and bias must be frozen (LoRA); "
+                         "a trainable base projection is not fused")
+    if (p.lora_A is None) != (p.lora_B is None):
+        raise ValueError(f"{name}: lora_A and lora_B must be given together")
+    if p.has_adapter:
+        check_float_tensor(f"{name}.lora_A", p.lora_A)
+        if p.lora_A.dim() != 2 or p.lora_A.shape[1] != K:
+            raise ValueError(f"{name}.lora_A: expected [r, {K}], got {tuple(p.lora_A.shape)}")
+        _check_tensor_field(f"{name}.lora_B", p.lora_B, (N, p.lora_A.shape[0]))
+    _check_scaling(f"{name}.scaling", p.scaling)
+    _check_dropout(f"{name}.dropout", p.dropout)
+
+
 def fused_lora_projections(x: torch.Tensor, projections, *, cache: ConcatCache | None = None) -> tuple[torch.Tensor, ...]:
     """All ``projections`` of ``x`` as one autograd node; returns one output per projection.
 
     Args:
         x: ``[..., K]``; cast to the autocast dtype under autocast, as ``F.linear`` would.
-        projections: ``Projection``s sharing ``x`` (adapters optional, mixed freely).
+        projections: ``Projection``s sharing ``x`` (adapters optional, mixed freely); each field
+            is checked as ``lora_linear`` checks its arguments (bf16/fp16/fp32 tensors, weight
+            ``[N, K]``, bias ``[N]``, lora_A ``[r, K]``, lora_B ``[N, r]``, finite real scaling,
+            dropout in [0, 1), no bools), and errors name ``projections[i].<field>``.
         cache: keeps the concatenated base weights between calls (built anew without one).
 
     The outputs share one ``[T, ΣN]`` buffer (column blocks, strided, no copies) but are not
@@ -270,32 +306,24 @@ def fused_lora_projections(x: torch.Tensor, projections, *, cache: ConcatCache |
     Any size may be zero (no tokens, no features, rank 0).
     """
     check_float_tensor("x", x)
+    if x.dim() == 0:
+        raise ValueError("x: expected [..., K] (at least one dimension), got a 0-dimensional tensor")
     projections = list(projections)
     if not projections:
         raise ValueError("projections: expected at least one Projection")
     K = x.shape[-1]
+    for i, p in enumerate(projections):
+        _check_projection(i, p, K)
+    check_same_device(x=x, **{f"projections[{i}].{field}": t for i, p in enumerate(projections)
+                              for field in ("weight", "bias", "lora_A", "lora_B")
+                              if (t := getattr(p, field)) is not None})
     adapters, lora_meta = [], []
     for i, p in enumerate(projections):
-        if p.weight.dim() != 2 or p.weight.shape[1] != K:
-            raise ValueError(f"projections[{i}].weight: expected [N, {K}], got {tuple(p.weight.shape)}")
-        if p.weight.requires_grad or (p.bias is not None and p.bias.requires_grad):
-            raise ValueError(f"projections[{i}]: the base weight and bias must be frozen (LoRA); "
-                             "a trainable base projection is not fused")
-        if p.bias is not None and tuple(p.bias.shape) != (p.weight.shape[0],):
-            raise ValueError(f"projections[{i}].bias: expected [{p.weight.shape[0]}], got {tuple(p.bias.shape)}")
-        if (p.lora_A is None) != (p.lora_B is None):
-            raise ValueError(f"projections[{i}]: lora_A and lora_B must be given together")
         if p.has_adapter:
-            r = p.lora_A.shape[0]
-            if p.lora_A.dim() != 2 or p.lora_A.shape[1] != K:
-                raise ValueError(f"projections[{i}].lora_A: expected [r, {K}], got {tuple(p.lora_A.shape)}")
-            if tuple(p.lora_B.shape) != (p.weight.shape[0], r):
-                raise ValueError(f"projections[{i}].lora_B: expected [{p.weight.shape[0]}, {r}], got {tuple(p.lora_B.shape)}")
-            if not 0.0 <= p.dropout < 1.0:
-                raise ValueError(f"projections[{i}].dropout: expected a probability in [0, 1), got {p.dropout!r}")
-            seed = int(torch.randint(0, 2**62, (1,)).item()) if p.dropout else 0
+            dropout = float(p.dropout)
+            seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout else 0
             adapters += [p.lora_A, p.lora_B]
-            lora_meta.append((i, float(p.scaling), float(p.dropout), seed))
+            lora_meta.append((i, float(p.scaling), dropout, seed))
     dtype = _compute_dtype(x)
     weight_cat, bias_cat = (cache or ConcatCache()).get(projections, dtype)
     meta = (tuple(p.weight.shape[0] for p in projections), tuple(lora_meta))

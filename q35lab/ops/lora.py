@@ -35,6 +35,7 @@ edits of such views, and callers (transformers' modules) edit a linear's output 
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -51,6 +52,30 @@ def dropout_mask(like: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     """
     generator = torch.Generator(device=like.device).manual_seed(seed)
     return torch.empty(like.shape, dtype=torch.float32, device=like.device).bernoulli_(1.0 - p, generator=generator).bool()
+
+
+def _real_number(name: str, value: object) -> float:
+    """``value`` as a float if it is a real number, else ``TypeError`` naming it. A bool is refused
+    (``dropout=True`` is a slip, not a probability), and so is a tensor (its ``float`` would sync)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a real number (int or float), got {type(value).__name__}")
+    return float(value)
+
+
+def _check_scaling(name: str, value: object) -> float:
+    """The adapter scale as a float: a finite real number (``TypeError`` / ``ValueError`` else)."""
+    scaling = _real_number(name, value)
+    if not math.isfinite(scaling):
+        raise ValueError(f"{name}: expected a finite real number, got {value!r}")
+    return scaling
+
+
+def _check_dropout(name: str, value: object) -> float:
+    """The dropout probability as a float: a real number in [0, 1) (``TypeError`` / ``ValueError`` else)."""
+    p = _real_number(name, value)
+    if not 0.0 <= p < 1.0:  # also refuses NaN
+        raise ValueError(f"{name}: expected a probability in [0, 1), got {value!r}")
+    return p
 
 
 def _rows(x: torch.Tensor) -> int:
@@ -139,9 +164,11 @@ def lora_linear(x, weight, lora_A, lora_B, scaling, bias=None, dropout=0.0):
         weight: ``[out_features, in_features]``, the base projection (usually frozen).
         lora_A: ``[r, in_features]``; lora_B: ``[out_features, r]``; any float dtype (fp32
             master adapters get fp32 gradients).
-        scaling: the adapter scale (``lora_alpha / r``).
+        scaling: the adapter scale (``lora_alpha / r``): a finite real number (int, float or a
+            NumPy scalar; a bool or a tensor raises ``TypeError``).
         bias: optional ``[out_features]``.
-        dropout: probability applied to the adapter's input only (as PEFT); 0 outside training.
+        dropout: probability in [0, 1) applied to the adapter's input only (as PEFT); 0 outside
+            training. A real number, as ``scaling`` (a bool raises ``TypeError``).
 
     The output is a tensor of its own (not a view): it may be edited in place, as F.linear's.
     Any size may be zero (no tokens, no features, rank 0): the result is then what ``F.linear`` gives.
@@ -162,10 +189,9 @@ def lora_linear(x, weight, lora_A, lora_B, scaling, bias=None, dropout=0.0):
                          f"got {tuple(lora_B.shape)}")
     if bias is not None and tuple(bias.shape) != (out_features,):
         raise ValueError(f"bias: expected [{out_features}], got {tuple(bias.shape)}")
-    if not 0.0 <= float(dropout) < 1.0:
-        raise ValueError(f"dropout: expected a probability in [0, 1), got {dropout!r}")
+    scaling, dropout = _check_scaling("scaling", scaling), _check_dropout("dropout", dropout)
     check_same_device(x=x, weight=weight, lora_A=lora_A, lora_B=lora_B, **({} if bias is None else {"bias": bias}))
     dtype = _compute_dtype(x)
     seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout else 0  # the global RNG decides
     with torch.autocast(device_type=x.device.type, enabled=False):
-        return LoRALinearFunction.apply(x.to(dtype), weight, bias, lora_A, lora_B, float(scaling), float(dropout), seed)
+        return LoRALinearFunction.apply(x.to(dtype), weight, bias, lora_A, lora_B, scaling, dropout, seed)
