@@ -261,6 +261,44 @@ def test_no_tokens_or_no_features_forward_and_backward(lead, width, bias):
     _assert_every_result_by_rule(lambda fn, x, ps: fn(x, ps), x, ps)
 
 
+def _recording_backend(graphs):
+    from torch._dynamo.backends.registry import lookup_backend
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    return backend
+
+
+def test_torch_compile_breaks_the_graph_at_the_op_and_matches_eager():
+    """As the patch calls it (a cache, frozen bases): the op runs eagerly between the graph before
+    it and the graph after it; output and gradients are eager's."""
+    import inspect
+
+    ps, cache = _projections((True, True, False, True), bias=True), ConcatCache()
+    x = torch.randn(2, 5, K, device=device(), requires_grad=True)
+    leaves = [x, *_adapters(ps)]
+
+    def step(x):
+        qkv, z, b, a = fused_lora_projections(torch.cos(x) * 0.5, ps, cache=cache)
+        return qkv.transpose(0, 1).square().mean() + (torch.sigmoid(b) * z[..., :8] * a).sum()
+
+    graphs = []
+    torch._dynamo.reset()
+    loss = torch.compile(step, backend=_recording_backend(graphs))(x)
+    grads = torch.autograd.grad(loss, leaves)
+    assert len(graphs) == 2  # a graph break at the op, not traced into it
+    expected = step(x)
+    torch.testing.assert_close(loss, expected)
+    for ours, theirs in zip(grads, torch.autograd.grad(expected, leaves)):
+        torch.testing.assert_close(ours, theirs)
+    assert list(inspect.signature(fused_lora_projections).parameters) == ["x", "projections", "cache"]
+    assert fused_lora_projections.__doc__.startswith("All ``projections`` of ``x``")
+    assert q35lab.fused_lora_projections is fused_lora_projections
+
+
+
 # ---------------------------------------------------------------------------------------------
 # The model: four in_proj LoRA projections of every GatedDeltaNet as one node.
 # ---------------------------------------------------------------------------------------------

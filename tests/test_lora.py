@@ -218,6 +218,46 @@ def test_zero_sizes_give_what_f_linear_gives(lead, K, N, r, bias):
         assert torch.equal(plain(lora_linear, args), torch.nn.functional.linear(args["x"], args["weight"], args["bias"]))
 
 
+def _recording_backend(graphs):
+    from torch._dynamo.backends.registry import lookup_backend
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    return backend
+
+
+def test_torch_compile_breaks_the_graph_at_the_op_and_matches_eager():
+    """The op runs eagerly between two compiled graphs (the code before it, the code after it),
+    and a compiled function's output and gradients are eager's."""
+    import inspect
+
+    args, _, trained = _problem((2, 5), 24, 12, 4, bias=True)
+    args["bias"].requires_grad_(False)  # as the patch sees it: a frozen base bias
+    trained.remove("bias")
+
+    def step(x, weight, lora_A, lora_B, bias):
+        h = torch.sin(x) * 1.5
+        y = lora_linear(h, weight, lora_A, lora_B, 0.5, bias)
+        return (torch.nn.functional.silu(y) ** 2).mean()
+
+    graphs = []
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=_recording_backend(graphs))
+    loss = compiled(**args)
+    grads = torch.autograd.grad(loss, [args[n] for n in trained])
+    assert len(graphs) == 2  # a graph break at the op, not traced into it
+    expected = step(**args)
+    torch.testing.assert_close(loss, expected)
+    for ours, theirs in zip(grads, torch.autograd.grad(expected, [args[n] for n in trained])):
+        torch.testing.assert_close(ours, theirs)
+    assert list(inspect.signature(lora_linear).parameters) == ["x", "weight", "lora_A", "lora_B", "scaling", "bias",
+                                                               "dropout"]
+    assert lora_linear.__name__ == "lora_linear" and lora_linear.__doc__.startswith("``x·Wᵀ + b")
+    assert q35lab.lora_linear is lora_linear
+
+
 def test_peft_layers_are_routed_and_fall_back_when_they_must(monkeypatch):
     model, layer = _peft_layer(32, 24, 4, alpha=8)
     report = q35lab.apply_to_qwen3_5(model)

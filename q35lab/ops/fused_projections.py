@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from ._checks import check_float_tensor, check_same_device
+from ._compile import opaque_to_compile
 from .lora import _check_dropout, _check_scaling, _compute_dtype, _dropped, _rows, dropout_mask
 
 __all__ = ["Projection", "ConcatCache", "pack_rows", "unpack_rows", "fused_lora_projections",
@@ -289,6 +290,7 @@ def _check_projection(i: int, p: object, K: int) -> None:
     _check_dropout(f"{name}.dropout", p.dropout)
 
 
+@opaque_to_compile  # a graph break under torch.compile (see _compile.py)
 def fused_lora_projections(x: torch.Tensor, projections, *, cache: ConcatCache | None = None) -> tuple[torch.Tensor, ...]:
     """All ``projections`` of ``x`` as one autograd node; returns one output per projection.
 
@@ -304,6 +306,7 @@ def fused_lora_projections(x: torch.Tensor, projections, *, cache: ConcatCache |
     views: each may be edited in place, with correct gradients, like a separate ``nn.Linear``'s
     output.
     Any size may be zero (no tokens, no features, rank 0).
+    Opaque to ``torch.compile``: a graph break; the op runs eagerly with its own autograd node.
     """
     check_float_tensor("x", x)
     if x.dim() == 0:

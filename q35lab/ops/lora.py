@@ -40,6 +40,7 @@ import numbers
 import torch
 
 from ._checks import check_float_tensor, check_same_device
+from ._compile import opaque_to_compile
 
 __all__ = ["lora_linear", "lora_linear_ref", "dropout_mask", "LoRALinearFunction"]
 
@@ -155,6 +156,7 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+@opaque_to_compile  # a graph break under torch.compile (see _compile.py)
 def lora_linear(x, weight, lora_A, lora_B, scaling, bias=None, dropout=0.0):
     """``x·Wᵀ + b + scaling · dropout(x)·Aᵀ·Bᵀ`` as one autograd node, without casting ``x``.
 
@@ -172,6 +174,7 @@ def lora_linear(x, weight, lora_A, lora_B, scaling, bias=None, dropout=0.0):
 
     The output is a tensor of its own (not a view): it may be edited in place, as F.linear's.
     Any size may be zero (no tokens, no features, rank 0): the result is then what ``F.linear`` gives.
+    Opaque to ``torch.compile``: a graph break; the op runs eagerly with its own autograd node.
     """
     for name, t in (("x", x), ("weight", weight), ("lora_A", lora_A), ("lora_B", lora_B)):
         check_float_tensor(name, t)
