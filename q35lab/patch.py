@@ -12,12 +12,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .ops._compile import opaque_to_compile
 from .ops.gated_rms_norm import GatedRMSNorm
 from .ops.fused_projections import (ConcatCache, Projection, _rows_of_one_buffer, fused_lora_projections, pack_rows,
                                      unpack_rows)
 from .ops.linear_cross_entropy import linear_cross_entropy
 from .ops.lora import lora_linear
 from .ops.offset_rms_norm import OffsetRMSNorm
+from .ops import swiglu as swiglu_ops
 
 __all__ = ["PatchReport", "apply_to_qwen3_5", "revert"]
 
@@ -275,8 +277,9 @@ def _projection_now(module: torch.nn.Module) -> Projection | None:
                       module.scaling[name], p)
 
 
-class _InProjGroup:
-    """The four projections of one GatedDeltaNet, computed together on their shared input."""
+class _ProjectionGroup:
+    """Projections of one shared input (a GatedDeltaNet's four in_proj, an MLP's gate and up),
+    computed together by ``fused_lora_projections``."""
 
     def __init__(self, modules: list[torch.nn.Module]):
         self.modules = modules
@@ -300,21 +303,30 @@ class _InProjGroup:
         self.packed = None if state["packed"] else False
         self._reset()
 
+    @opaque_to_compile  # keyed on the input's identity and version: eager Python state
     def output(self, index: int, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         module = self.modules[index]
         if args or kwargs:
             return type(module).forward(module, x, *args, **kwargs)
-        if self.packed is None:
-            self.packed = _pack_again([_base_layer(m).weight for m in self.modules])
         key = (id(x), x._version, x.data_ptr(), torch.is_grad_enabled(),
                torch.is_autocast_enabled(x.device.type))
         if key != self.input_key or index not in self.pending:
-            projections = [_projection_now(m) for m in self.modules]
-            if any(p is None for p in projections):  # e.g. two active adapters: PEFT's own path
+            outputs = self.fused(x)
+            if outputs is None:  # e.g. two active adapters: PEFT's own path
                 return type(module).forward(module, x)
-            self.pending = dict(enumerate(fused_lora_projections(x, projections, cache=self.cache)))
+            self.pending = dict(enumerate(outputs))
             self.input_key = key
         return self.pending.pop(index)
+
+    def fused(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """Every projection's output of ``x`` from one fused node, or None when one of them
+        must run its own forward this call."""
+        if self.packed is None:
+            self.packed = _pack_again([_base_layer(m).weight for m in self.modules])
+        projections = [_projection_now(m) for m in self.modules]
+        if any(p is None for p in projections):
+            return None
+        return fused_lora_projections(x, projections, cache=self.cache)
 
 
 def _pack_again(weights: list[torch.Tensor]) -> bool:
@@ -329,7 +341,7 @@ def _pack_again(weights: list[torch.Tensor]) -> bool:
 class _InProjForward(_Forward):
     """One in_proj projection's forward: its output from the group's fused computation."""
 
-    def __init__(self, module: torch.nn.Module, group: _InProjGroup, index: int):
+    def __init__(self, module: torch.nn.Module, group: _ProjectionGroup, index: int):
         super().__init__(module)
         self.group, self.index = group, index
 
@@ -346,7 +358,7 @@ def _fuse_in_proj(gdn: torch.nn.Module, report: "PatchReport") -> None:
     if problems:
         report.left_alone[f"{type(gdn).__name__} in_proj: {problems[0]}"] += 1
         return
-    group = _InProjGroup(modules)
+    group = _ProjectionGroup(modules)
     for index, module in enumerate(modules):
         if _marked(module, _LORA_PATCHED) is not None:  # routed by lora=True earlier: the group takes over
             _unroute_lora(module, PatchReport())
@@ -364,6 +376,62 @@ def _unfuse_in_proj(module: torch.nn.Module, report: "PatchReport") -> None:
             if group.packed:  # each weight in a buffer of its own again, as transformers made them
                 unpack_rows([_base_layer(m).weight for m in group.modules])
             report.reverted["GatedDeltaNet in_proj"] += 1
+
+
+# ----------------------------------------------------------------------------------------------
+# The MLP, down(silu(gate(x)) · up(x)): gate and up share their input, so with frozen bases they
+# become one fused node like the in_proj (their weights packed into one buffer), and the SwiGLU
+# between them is one Triton kernel forward and backward. down_proj keeps its own forward (routed
+# through lora_linear by lora=True). Anything the fusion cannot compute exactly keeps the
+# projections' own forwards; the SwiGLU kernel runs either way.
+# ----------------------------------------------------------------------------------------------
+MLP_CLASSES = ("Qwen3_5MLP", "Qwen3_5MoeMLP")
+_MLP = "_q35lab_mlp"  # attribute of an MLP whose forward q35lab computes
+
+
+def _is_swiglu_mlp(module: torch.nn.Module) -> bool:
+    cls = type(module)
+    return (cls.__name__ in MLP_CLASSES and cls.__module__.startswith("transformers.")
+            and all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj")))
+
+
+def _mlp_problem(mlp: torch.nn.Module) -> str | None:
+    if type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
+        return f"activation {type(mlp.act_fn).__name__} (only SiLU is fused here)"
+    return None
+
+
+class _MLPForward(_Forward):
+    """``down(swiglu(gate(x), up(x)))`` with gate and up fused when their bases are frozen."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__(module)
+        pair = [module.gate_proj, module.up_proj]
+        fusable = not any(map(_projection_problem, pair))
+        self.group = _ProjectionGroup(pair) if fusable else None
+
+    def __call__(self, x):
+        mlp = self.module
+        gate_up = self.group.fused(x) if self.group is not None else None
+        gate, up = gate_up if gate_up is not None else (mlp.gate_proj(x), mlp.up_proj(x))
+        return mlp.down_proj(swiglu_ops.swiglu(gate, up, rounding="hf"))
+
+
+def _patch_mlp(mlp: torch.nn.Module, report: "PatchReport") -> None:
+    _override_forward(mlp, _MLP, _MLPForward, _mlp_problem(mlp), f"{type(mlp).__name__} (SwiGLU)", report)
+    forward = vars(mlp).get("forward")
+    if isinstance(forward, _MLPForward) and forward.group is not None and _marked(mlp, _MLP) is True:
+        for proj in forward.group.modules:  # the group computes them: no routing of their own
+            _unroute_lora(proj, PatchReport())
+        report.replaced[f"{type(mlp).__name__} gate/up (2 projections, 1 node)"] += 1
+        object.__setattr__(mlp, _MLP, "fused")
+
+
+def _unpatch_mlp(mlp: torch.nn.Module, report: "PatchReport") -> None:
+    forward = vars(mlp).get("forward")
+    if isinstance(forward, _MLPForward) and forward.group is not None and forward.group.packed:
+        unpack_rows([_base_layer(m).weight for m in forward.group.modules])
+    _restore_forward(mlp, _MLP, f"{type(mlp).__name__} (SwiGLU)", report)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -496,9 +564,14 @@ def _replacement_rule(module: torch.nn.Module):
     return None
 
 
+def _computed_by_a_fused_mlp(child: torch.nn.Module, parent: torch.nn.Module) -> bool:
+    """Whether ``child`` is the gate or up projection of an MLP whose fused node computes it."""
+    return _marked(parent, _MLP) == "fused" and child in (parent.gate_proj, parent.up_proj)
+
+
 def _is_qwen3_5_module(module: torch.nn.Module) -> bool:
     cls = type(module)
-    known = OFFSET_RMS_NORM_CLASSES + HF_GATED_NORM_CLASSES + FLCE_CLASSES
+    known = OFFSET_RMS_NORM_CLASSES + HF_GATED_NORM_CLASSES + FLCE_CLASSES + MLP_CLASSES
     return (cls.__name__ in known and cls.__module__.startswith("transformers.")) or _is_gated_delta_net(module)
 
 
@@ -510,6 +583,7 @@ def apply_to_qwen3_5(
     lora: bool = True,
     in_proj: bool = True,
     flce: bool = True,
+    swiglu: bool = True,
 ) -> PatchReport:
     """Replace Qwen3.5's modules by q35lab's kernels, in place; returns what was done.
 
@@ -530,7 +604,8 @@ def apply_to_qwen3_5(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    enabled = {"rms_norm": rms_norm, "gated_norm": gated_norm, "lora": lora, "in_proj": in_proj, "flce": flce}
+    enabled = {"rms_norm": rms_norm, "gated_norm": gated_norm, "lora": lora, "in_proj": in_proj, "flce": flce,
+               "swiglu": swiglu}
     report = PatchReport(qwen3_5=any(map(_is_qwen3_5_module, model.modules())))
     for flag, wanted in enabled.items():
         if not wanted:
@@ -542,6 +617,8 @@ def apply_to_qwen3_5(
         cls = type(module)
         if in_proj and _is_gated_delta_net(module):
             _fuse_in_proj(module, report)
+        if swiglu and _is_swiglu_mlp(module):
+            _patch_mlp(module, report)
         if flce and cls.__name__ in FLCE_CLASSES and cls.__module__.startswith("transformers."):
             _patch_loss(module, report)
     for parent, name, child in _named_children_everywhere(model):
@@ -549,7 +626,7 @@ def apply_to_qwen3_5(
             report.already_patched += 1
             continue
         if _is_peft_lora_linear(child):
-            if lora and not _marked(child, _IN_PROJ) is not None:
+            if lora and _marked(child, _IN_PROJ) is None and not _computed_by_a_fused_mlp(child, parent):
                 _route_lora(child, report)
             continue
         rule = _replacement_rule(child)
@@ -571,6 +648,7 @@ def revert(model: torch.nn.Module) -> PatchReport:
     report = PatchReport()
     for module in model.modules():
         _unpatch_loss(module, report)
+        _unpatch_mlp(module, report)
     for parent, name, child in _named_children_everywhere(model):
         _unroute_lora(child, report)
         _unfuse_in_proj(child, report)

@@ -299,8 +299,10 @@ def test_tiny_qwen3_5_trains_the_same_patched_and_unpatched():
                 torch.nn.init.normal_(p, 0, 0.02)
         if patched:
             report = q35lab.apply_to_qwen3_5(model)
-            # attention q, k, v, o; GatedDeltaNet out_proj; gate, up, down in each of the 2 layers
-            assert report.replaced["PEFT lora.Linear (forward)"] == 4 + 1 + 3 * 2
+            # attention q, k, v, o; GatedDeltaNet out_proj; down in each of the 2 layers (gate and
+            # up are computed by their MLP's fused node)
+            assert report.replaced["PEFT lora.Linear (forward)"] == 4 + 1 + 2
+            assert report.replaced["Qwen3_5MLP gate/up (2 projections, 1 node)"] == 2
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
         ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(1)).to(device())
         losses = []

@@ -116,3 +116,15 @@ def test_lora_layers_added_after_patching_are_named_and_a_second_call_routes_the
     second = q35lab.apply_to_qwen3_5(wrapped)
     assert second.replaced["PEFT lora.Linear (forward)"] == 2 + 2  # q, v of the attention layer; 2 MLPs' down
     assert "lora" not in second.not_applied
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_of_a_patched_peft_model_matches_eager(backend):
+    model = _peft_model()
+    q35lab.apply_to_qwen3_5(model)
+    ids = torch.randint(0, 128, (2, 9), device=device())
+    eager = loss_and_grads(model, ids)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    _assert_close_step(loss_and_grads(compiled, ids), eager)
+    _assert_close_step(loss_and_grads(compiled, ids), eager)  # the second call reuses the graphs

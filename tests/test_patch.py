@@ -42,7 +42,7 @@ def test_same_logits_loss_and_gradients_patched_unpatched_reverted(build, norm_c
     n_norms = sum(type(m).__name__ == norm_class for m in model.modules())
     n_gated = sum(type(m).__name__ == gated_class for m in model.modules())
 
-    report = q35lab.apply_to_qwen3_5(model, flce=False)  # logits are compared: keep them
+    report = q35lab.apply_to_qwen3_5(model, flce=False, swiglu=False)  # logits are compared: keep them
     # 2 layers × 2, q/k norm of the attention layer, final norm; one gated norm per GatedDeltaNet
     assert report.replaced == {norm_class: 7, gated_class: 1} and (n_norms, n_gated) == (7, 1)
     assert not any(type(m).__name__ in (norm_class, gated_class) for m in model.modules())
@@ -82,7 +82,7 @@ def test_multimodal_model_is_patched():
     model = multimodal()
     n_norms = sum(type(m).__name__ == "Qwen3_5RMSNorm" for m in model.modules())
     report = q35lab.apply_to_qwen3_5(model)
-    assert report.replaced == {"Qwen3_5RMSNorm": n_norms, "Qwen3_5RMSNormGated": 1,
+    assert report.replaced == {"Qwen3_5RMSNorm": n_norms, "Qwen3_5RMSNormGated": 1, "Qwen3_5MLP (SwiGLU)": 2,
                                "Qwen3_5ForConditionalGeneration loss (fused linear cross entropy)": 1} and n_norms >= 7
     ids = torch.randint(0, 100, (1, 6), device=device())
     assert torch.isfinite(model(input_ids=ids).logits).all()
@@ -92,7 +92,7 @@ def test_patching_twice_is_harmless_and_reported():
     model = causal_lm()
     first = q35lab.apply_to_qwen3_5(model)
     second = q35lab.apply_to_qwen3_5(model)
-    assert first.total == 9 and second.total == 0 and second.already_patched == 9  # 7 + 1 + the loss
+    assert first.total == 11 and second.total == 0 and second.already_patched == 11  # 7 + 1 + 2 MLPs + the loss
     assert "already patched" in str(second)
     q35lab.revert(model)
     assert q35lab.revert(model).reverted == {}
@@ -106,11 +106,12 @@ def test_model_with_nothing_to_patch():
 def test_flags_of_later_optimizations_are_reported_not_applied():
     report = q35lab.apply_to_qwen3_5(causal_lm(), gated_norm=True, lora=True, in_proj=True, flce=True)
     assert list(report.not_applied) == ["lora"]  # a bare model has no LoRA layers: the report says so
-    off = q35lab.apply_to_qwen3_5(causal_lm(), rms_norm=False, gated_norm=False, lora=False, in_proj=False, flce=False)
+    off = q35lab.apply_to_qwen3_5(causal_lm(), rms_norm=False, gated_norm=False, lora=False, in_proj=False, flce=False,
+                                  swiglu=False)
     assert off.total == 0
     assert off.not_applied == {flag: "disabled by the caller"
-                               for flag in ("rms_norm", "gated_norm", "lora", "in_proj", "flce")}
-    only_gated = q35lab.apply_to_qwen3_5(causal_lm(), rms_norm=False, flce=False)
+                               for flag in ("rms_norm", "gated_norm", "lora", "in_proj", "flce", "swiglu")}
+    only_gated = q35lab.apply_to_qwen3_5(causal_lm(), rms_norm=False, flce=False, swiglu=False)
     assert only_gated.replaced == {"Qwen3_5RMSNormGated": 1}
 
 
@@ -131,11 +132,13 @@ def test_peft_wrapped_model():
     report = q35lab.apply_to_qwen3_5(peft_model, flce=False)  # logits are compared: keep them
     # q_proj, v_proj, out_proj routed; the GatedDeltaNet's four (frozen, no adapter) in_proj fused
     patched = {"Qwen3_5RMSNorm": 7, "Qwen3_5RMSNormGated": 1, "PEFT lora.Linear (forward)": 3,
-               "Qwen3_5GatedDeltaNet in_proj (4 projections, 1 node)": 1}
+               "Qwen3_5GatedDeltaNet in_proj (4 projections, 1 node)": 1, "Qwen3_5MLP (SwiGLU)": 2,
+               "Qwen3_5MLP gate/up (2 projections, 1 node)": 2}
     assert report.replaced == patched
     _assert_same_step(before, _loss_and_grads(peft_model, ids))
     assert q35lab.revert(peft_model).reverted == {"Qwen3_5RMSNorm": 7, "Qwen3_5RMSNormGated": 1,
-                                                  "PEFT lora.Linear (forward)": 3, "GatedDeltaNet in_proj": 1}
+                                                  "PEFT lora.Linear (forward)": 3, "GatedDeltaNet in_proj": 1,
+                                                  "Qwen3_5MLP (SwiGLU)": 2}
     _assert_same_step(before, _loss_and_grads(peft_model, ids))
 
 
@@ -192,7 +195,7 @@ def test_patch_reaches_the_gated_norm_the_forward_calls(monkeypatch, norm_source
             gdn.norm = stand_in
     ids = torch.randint(0, 128, (2, 9), device=device())
     before = _loss_and_grads(model, ids)
-    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, flce=False)
+    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, flce=False, swiglu=False)
     expected_class = "FusedRMSNormGated" if norm_source == "fla" else "Qwen3_5RMSNormGated"
     assert report.replaced == {expected_class: 1}
     assert all(isinstance(g.norm, GatedRMSNorm) for g in gdns)
@@ -206,7 +209,7 @@ def test_fla_norm_with_another_activation_is_left_alone():
     model = causal_lm()
     gdn = _gdn_layers(model)[0]
     gdn.norm = _FlaStandIn(gdn.norm.weight.shape[0], activation="sigmoid").to(device())
-    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, in_proj=False, flce=False)
+    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, in_proj=False, flce=False, swiglu=False)
     assert report.replaced == {} and sum(report.left_alone.values()) == 1
     assert "sigmoid" in str(report)
 
@@ -216,7 +219,7 @@ def test_a_same_named_class_from_elsewhere_is_not_mistaken_for_fla():
     gdn = _gdn_layers(model)[0]
     other = type("FusedRMSNormGated", (_FlaStandIn,), {"__module__": "axolotl.kernels.rms_norm_gated"})
     gdn.norm = other(gdn.norm.weight.shape[0]).to(device())
-    assert q35lab.apply_to_qwen3_5(model, rms_norm=False, flce=False).replaced == {}
+    assert q35lab.apply_to_qwen3_5(model, rms_norm=False, flce=False, swiglu=False).replaced == {}
 
 
 def test_real_fla_norm_is_patched():
@@ -224,7 +227,7 @@ def test_real_fla_norm_is_patched():
     model = causal_lm()
     gdn = _gdn_layers(model)[0]
     gdn.norm = fla_norm(gdn.norm.weight.shape[0], eps=1e-6, activation="silu").to(device())
-    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, flce=False)
+    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, flce=False, swiglu=False)
     assert report.replaced == {"FusedRMSNormGated": 1} and gdn.norm.rounding == "fused"
 
 
@@ -238,7 +241,7 @@ def test_loss_without_logits_same_loss_and_gradients(build):
     labels = ids.clone()
     labels[0, :3] = -100
     reference = loss_and_grads(model, ids, labels)
-    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, gated_norm=False, lora=False, in_proj=False)
+    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, gated_norm=False, lora=False, in_proj=False, swiglu=False)
     assert report.replaced == {f"{type(model).__name__} loss (fused linear cross entropy)": 1}
     ours = loss_and_grads(model, ids, labels)
     torch.testing.assert_close(ours[0], reference[0], rtol=1e-5, atol=1e-6)
@@ -304,3 +307,37 @@ def test_a_head_trained_whole_by_peft_goes_through_the_fused_loss(monkeypatch):
     with model.disable_adapter():
         torch.testing.assert_close(model(input_ids=ids, labels=ids).loss.detach(), reference_disabled,
                                    rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# The MLP: gate and up as one fused node, the SwiGLU kernel between them and down_proj.
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("targets", [["gate_proj", "up_proj", "down_proj"], ["up_proj"], []],
+                         ids=["lora-on-all-three", "lora-on-up", "no-mlp-lora"])
+def test_mlp_same_loss_and_gradients_through_one_fused_node_and_the_swiglu_kernel(monkeypatch, targets):
+    peft = pytest.importorskip("peft")
+    from q35lab.ops.fused_projections import FusedLoRAProjectionsFunction
+    from q35lab.ops.swiglu import SwiGLUFunction
+
+    model = peft.get_peft_model(causal_lm(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", *targets]))
+    with torch.no_grad():  # B = 0 at init would hide the adapters' path
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1)
+    ids = torch.randint(0, 128, (2, 9), device=device())
+    before = _loss_and_grads(model, ids)
+    weights_before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    report = q35lab.apply_to_qwen3_5(model, flce=False, in_proj=False)
+    assert report.replaced["Qwen3_5MLP (SwiGLU)"] == 2
+    assert report.replaced["Qwen3_5MLP gate/up (2 projections, 1 node)"] == 2
+    fused = count_forward_calls(monkeypatch, FusedLoRAProjectionsFunction)
+    swiglu = count_forward_calls(monkeypatch, SwiGLUFunction)
+    _assert_same_step(before, _loss_and_grads(model, ids))
+    assert len(fused) == 2 and len(swiglu) == 2  # one of each per MLP
+    mlp = model.get_base_model().model.layers[0].mlp
+    gate, up = (getattr(getattr(mlp, n), "base_layer", getattr(mlp, n)).weight for n in ("gate_proj", "up_proj"))
+    assert gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr()  # packed into one buffer
+    assert q35lab.revert(model).reverted["Qwen3_5MLP (SwiGLU)"] == 2
+    assert gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()
+    assert all(torch.equal(p, weights_before[n]) for n, p in model.named_parameters())
+    _assert_same_step(before, _loss_and_grads(model, ids))
