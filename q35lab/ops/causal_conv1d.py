@@ -1,0 +1,585 @@
+"""The GatedDeltaNet's short convolution: a depthwise causal conv1d + SiLU, channels last.
+
+Forward, per channel ``c`` of width-``K`` filter ``w[c, :]`` (``K = 4`` in Qwen3.5)::
+
+    z[b, t, c] = bias[c] + Σ_{k<K} w[c, k] · x[b, t-(K-1)+k, c]     # fp32; x before the start = 0
+    y[b, t, c] = silu(z) = z · σ(z)                                  # or y = z; rounded once
+
+``x`` is ``in_proj_qkv``'s output ``[B, T, C]`` (``C = 8192`` at 9B) read in its own layout:
+transformers transposes it to ``[B, C, T]`` for ``nn.Conv1d`` and back, slices the padded output
+and applies SiLU in a second kernel; here one pass reads ``x`` once and writes ``y`` once. With
+``cu_seqlens`` (a packed batch, ``B = 1``) "the start" is each sequence's start: nothing crosses
+a boundary.
+
+Backward, with ``dz = dy · σ(z)·(1 + z·(1 − σ(z)))`` (``dz = dy`` without activation)::
+
+    dx[t, c]   = Σ_k w[c, k] · dz[t + (K-1) - k, c]    # dz = 0 past the end of t's sequence
+    dw[c, k]   = Σ_t dz[t, c] · x[t-(K-1)+k, c]         # fp32 partial per program, reduced once
+    dbias[c]   = Σ_t dz[t, c]
+
+``z`` is recomputed from ``x`` in the backward instead of being saved: the autograd node keeps
+``x`` (``T·C·elem`` bytes — 16 KiB a token at C = 8192 in bf16 — and no copy when ``x`` is
+channels-last, even as a column slice of a wider buffer), the weight and bias (views), and with
+``cu_seqlens`` one int32 per token (each token's sequence start). transformers' fallback keeps
+``x`` and the ``(T+K-1)·C`` conv output for SiLU: about twice as much.
+
+Layering: ``_causal_conv1d_fwd_kernel`` / ``_causal_conv1d_bwd_kernel`` (Triton) →
+``causal_conv1d_fwd`` / ``causal_conv1d_bwd`` (host) → ``CausalConv1dFunction`` →
+``causal_conv1d`` (functional); ``causal_conv1d_ref`` is transformers' ``causal_conv1d_fn`` in
+PyTorch, per sequence, the reference every test compares against.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .. import runtime  # noqa: F401  (the interpreter is chosen before any kernel is defined)
+from ._checks import check_float_tensor, check_same_device
+from ._compile import opaque_to_compile
+from ._launch import persistent_programs
+from ._reduce import sum_partials
+
+__all__ = [
+    "causal_conv1d_ref",
+    "causal_conv1d_fwd",
+    "causal_conv1d_bwd",
+    "CausalConv1dFunction",
+    "causal_conv1d",
+    "LaunchConfig",
+    "launch_config",
+    "MAX_KERNEL_SIZE",
+]
+
+#: Widest filter supported (the kernels unroll over it).
+MAX_KERNEL_SIZE = 8
+#: Activation names accepted, as transformers' ``config.hidden_act`` / fla spell them.
+ACTIVATIONS = (None, "silu", "swish")
+
+
+# --------------------------------------------------------------------------------------------
+# Reference: transformers' causal_conv1d_fn (the fallback of Qwen3_5GatedDeltaNet), per sequence.
+# --------------------------------------------------------------------------------------------
+def causal_conv1d_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    activation: str | None = "silu",
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``act(conv1d(x.transpose(1, 2), groups=C, padding=K-1)[..., :T])`` transposed back.
+
+    Line for line transformers' fallback: ``x`` cast to the weight's dtype, ``F.conv1d``, the
+    activation in that dtype, cast to ``x.dtype``. With ``cu_seqlens`` each sequence is convolved
+    alone. With fp64 inputs it is the exact reference of the numerics rule.
+    """
+    C = x.shape[-1]
+    w = weight.reshape(C, -1)
+    K = w.shape[1]
+    b = None if bias is None else bias.to(w.dtype)
+
+    def one(xs: torch.Tensor) -> torch.Tensor:
+        out = F.conv1d(xs.transpose(1, 2).to(w.dtype), w.unsqueeze(1), b, padding=K - 1, groups=C)
+        out = out[..., : xs.shape[1]]
+        if activation is not None:
+            out = F.silu(out)
+        return out.to(x.dtype).transpose(1, 2)
+
+    if cu_seqlens is None:
+        return one(x) if x.shape[1] > 0 else torch.empty_like(x)
+    bounds = cu_seqlens.tolist()
+    parts = [one(x[:, a:e]) for a, e in zip(bounds[:-1], bounds[1:]) if e > a]
+    return torch.cat(parts, dim=1) if parts else torch.empty_like(x)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels. A program owns a tile of BLOCK_T tokens × BLOCK_C channels (channels contiguous in
+# memory). The K-1 tokens of halo before the tile (and, in the backward, after it) are read by
+# shifted loads of the same tile: they hit L1/L2, so HBM sees x about once.
+# SEQ_START[t] is the first token of t's sequence (0 without cu_seqlens): x[s] belongs to t's
+# window iff s >= SEQ_START[t], and dz[s] reaches dx[t] (s >= t) iff SEQ_START[s] <= t.
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _load_tile(base, stride_t, rows, ok, cols, col_mask):
+    """``base[rows, cols]`` in fp32; 0 where ``ok`` is false (before the sequence, past T)."""
+    mask = ok[:, None] & col_mask[None, :]
+    return tl.load(base + rows.to(tl.int64)[:, None] * stride_t + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _filter_tap(W, stride_wc, stride_wk, cols, col_mask, k):
+    """``w[cols, k]`` in fp32 (BLOCK_C values, cached: reloading is cheaper than keeping K)."""
+    return tl.load(W + cols * stride_wc + k * stride_wk, mask=col_mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _pre_activation(
+    x_base, stride_xt, W, stride_wc, stride_wk, bias, rows, start, row_ok, cols, col_mask,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """``z[rows] = bias + Σ_k w[k]·x[rows-(K-1)+k]``, x taken as 0 before ``start`` (per row)."""
+    z = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32) + bias[None, :]
+    for k in tl.static_range(K):
+        src = rows - (K - 1) + k
+        xk = _load_tile(x_base, stride_xt, src, row_ok & (src >= start), cols, col_mask)
+        z += xk * _filter_tap(W, stride_wc, stride_wk, cols, col_mask, k)[None, :]
+    return z
+
+
+@triton.jit
+def _causal_conv1d_fwd_kernel(
+    X,  # [B, T, C] input, channels contiguous; token and batch strides free (column slices)
+    W,  # [C, K] filter taps
+    BIAS,  # [C] (unused without HAS_BIAS)
+    SEQ_START,  # [T] int32, first token of each token's sequence (unused without HAS_SEQ)
+    Y,  # [B, T, C] output, x.dtype
+    T,
+    C,
+    stride_xb,
+    stride_xt,
+    stride_yb,
+    stride_yt,
+    stride_wc,
+    stride_wk,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SEQ: tl.constexpr,
+    SILU: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    b = tl.program_id(2).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_ok = rows < T
+    col_mask = cols < C
+    if HAS_BIAS:
+        bias = tl.load(BIAS + cols, mask=col_mask, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros([BLOCK_C], dtype=tl.float32)
+    if HAS_SEQ:
+        start = tl.load(SEQ_START + rows, mask=row_ok, other=0)
+    else:
+        start = tl.zeros([BLOCK_T], dtype=tl.int32)
+    z = _pre_activation(X + b * stride_xb, stride_xt, W, stride_wc, stride_wk, bias, rows, start, row_ok,
+                        cols, col_mask, K, BLOCK_T, BLOCK_C)
+    if SILU:
+        z = z * tl.sigmoid(z)
+    mask = row_ok[:, None] & col_mask[None, :]
+    tl.store(Y + b * stride_yb + rows.to(tl.int64)[:, None] * stride_yt + cols[None, :],
+             z.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _grad_pre_activation(
+    x_base, stride_xt, dy_base, stride_dyt, W, stride_wc, stride_wk, bias, rows, start, row_ok, cols, col_mask,
+    K: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """``dz[rows] = dy·silu'(z)`` with ``z`` recomputed from x (``dy`` without activation);
+    0 where ``row_ok`` is false."""
+    dz = _load_tile(dy_base, stride_dyt, rows, row_ok, cols, col_mask)
+    if SILU:
+        z = _pre_activation(x_base, stride_xt, W, stride_wc, stride_wk, bias, rows, start, row_ok,
+                            cols, col_mask, K, BLOCK_T, BLOCK_C)
+        sig = tl.sigmoid(z)
+        dz = dz * sig * (1.0 + z * (1.0 - sig))
+    return dz
+
+
+@triton.jit
+def _tap_product(x_base, stride_xt, dz, rows, start, row_ok, cols, col_mask, k: tl.constexpr, K: tl.constexpr):
+    """``dz[t] · x[t-(K-1)+k]``: token t's share of ``dW[:, k]`` (x before the sequence = 0)."""
+    src = rows - (K - 1) + k
+    return dz * _load_tile(x_base, stride_xt, src, row_ok & (src >= start), cols, col_mask)
+
+
+@triton.jit
+def _causal_conv1d_bwd_kernel(
+    X,  # [B, T, C] forward input
+    W,  # [C, K]
+    BIAS,  # [C] (unused without HAS_BIAS)
+    SEQ_START,  # [T] int32 (unused without HAS_SEQ)
+    DY,  # [B, T, C] upstream gradient, channels contiguous
+    DX,  # [B, T, C] input gradient, x.dtype (unused without COMPUTE_DX)
+    DW_PARTIAL,  # [B·n_t_programs, C·K] fp32: this program's Σ dz·x per tap (unused without COMPUTE_DW)
+    DB_PARTIAL,  # [B·n_t_programs, C] fp32: this program's Σ dz (unused without COMPUTE_DB)
+    T,
+    C,
+    stride_xb,
+    stride_xt,
+    stride_dyb,
+    stride_dyt,
+    stride_dxb,
+    stride_dxt,
+    stride_wc,
+    stride_wk,
+    tiles_per_program,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SEQ: tl.constexpr,
+    SILU: tl.constexpr,
+    COMPUTE_DX: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+    COMPUTE_DB: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """A program walks ``tiles_per_program`` consecutive token tiles of one channel block,
+    keeping its share of dW and dbias in registers, and writes them once as fp32 partial rows.
+    dz at t+s (s < K) is recomputed per shift s: K² shifted loads of x (K more for dW), all
+    but about one a tile served by L1/L2. (Loading each of the 2K-1 distinct x rows once into
+    a [shift, token, channel] tile was measured twice as slow on an H200.)"""
+    pid_t = tl.program_id(0)
+    b = tl.program_id(2)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < C
+    x_base = X + b.to(tl.int64) * stride_xb
+    dy_base = DY + b.to(tl.int64) * stride_dyb
+    if HAS_BIAS:
+        bias = tl.load(BIAS + cols, mask=col_mask, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros([BLOCK_C], dtype=tl.float32)
+    # dW and dbias build up as fp32 tiles, summed over tokens once after the loop (a sum per
+    # tile and tap would cross warps every tile). One tile per tap, unrolled up to
+    # MAX_KERNEL_SIZE = 8; the compiler drops those past K.
+    zero = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    db_acc, dw0, dw1, dw2, dw3, dw4, dw5, dw6, dw7 = zero, zero, zero, zero, zero, zero, zero, zero, zero
+
+    for i in range(tiles_per_program):
+        rows = (pid_t * tiles_per_program + i) * BLOCK_T + tl.arange(0, BLOCK_T)
+        row_ok = rows < T
+        if HAS_SEQ:
+            start = tl.load(SEQ_START + rows, mask=row_ok, other=0)
+        else:
+            start = tl.zeros([BLOCK_T], dtype=tl.int32)
+        # Shift 0: dz at the tile's own tokens feeds dW, dbias and the last tap of dx.
+        dz = _grad_pre_activation(x_base, stride_xt, dy_base, stride_dyt, W, stride_wc, stride_wk, bias,
+                                  rows, start, row_ok, cols, col_mask, K, SILU, BLOCK_T, BLOCK_C)
+        if COMPUTE_DB:
+            db_acc += dz
+        if COMPUTE_DW:
+            dw0 += _tap_product(x_base, stride_xt, dz, rows, start, row_ok, cols, col_mask, 0, K)
+            if K > 1:
+                dw1 += _tap_product(x_base, stride_xt, dz, rows, start, row_ok, cols, col_mask, 1, K)
+            if K > 2:
+                dw2 += _tap_product(x_base, stride_xt, dz, rows, start, row_ok, cols, col_mask, 2, K)
+            if K > 3:
+                dw3 += _tap_product(x_base, stride_xt, dz, rows, start, row_ok, cols, col_mask, 3, K)
+            if K > 4:
+                dw4 += _tap_product(x_base, stride_xt, dz, rows, start, row_ok, cols, col_mask, 4, K)
+            if K > 5:
+                dw5 += _tap_product(x_base, stride_xt, dz, rows, start, row_ok, cols, col_mask, 5, K)
+            if K > 6:
+                dw6 += _tap_product(x_base, stride_xt, dz, rows, start, row_ok, cols, col_mask, 6, K)
+            if K > 7:
+                dw7 += _tap_product(x_base, stride_xt, dz, rows, start, row_ok, cols, col_mask, 7, K)
+        if COMPUTE_DX:
+            dx = dz * _filter_tap(W, stride_wc, stride_wk, cols, col_mask, K - 1)[None, :]
+            for s in tl.static_range(1, K):
+                dst = rows + s
+                dst_ok = dst < T
+                if HAS_SEQ:
+                    dst_start = tl.load(SEQ_START + dst, mask=dst_ok, other=0)
+                    dst_ok = dst_ok & (dst_start <= rows)  # dz[dst] belongs to another sequence
+                else:
+                    dst_start = tl.zeros([BLOCK_T], dtype=tl.int32)
+                dz_s = _grad_pre_activation(x_base, stride_xt, dy_base, stride_dyt, W, stride_wc, stride_wk, bias,
+                                            dst, dst_start, dst_ok, cols, col_mask, K, SILU, BLOCK_T, BLOCK_C)
+                dx += dz_s * _filter_tap(W, stride_wc, stride_wk, cols, col_mask, K - 1 - s)[None, :]
+            mask = row_ok[:, None] & col_mask[None, :]
+            tl.store(DX + b.to(tl.int64) * stride_dxb + rows.to(tl.int64)[:, None] * stride_dxt + cols[None, :],
+                     dx.to(DX.dtype.element_ty), mask=mask)
+
+    partial = (b * tl.num_programs(0) + pid_t).to(tl.int64)
+    if COMPUTE_DW:
+        dw_row = DW_PARTIAL + partial * C * K + cols * K  # [C, K] row-major, like the weight
+        tl.store(dw_row, tl.sum(dw0, axis=0), mask=col_mask)
+        if K > 1:
+            tl.store(dw_row + 1, tl.sum(dw1, axis=0), mask=col_mask)
+        if K > 2:
+            tl.store(dw_row + 2, tl.sum(dw2, axis=0), mask=col_mask)
+        if K > 3:
+            tl.store(dw_row + 3, tl.sum(dw3, axis=0), mask=col_mask)
+        if K > 4:
+            tl.store(dw_row + 4, tl.sum(dw4, axis=0), mask=col_mask)
+        if K > 5:
+            tl.store(dw_row + 5, tl.sum(dw5, axis=0), mask=col_mask)
+        if K > 6:
+            tl.store(dw_row + 6, tl.sum(dw6, axis=0), mask=col_mask)
+        if K > 7:
+            tl.store(dw_row + 7, tl.sum(dw7, axis=0), mask=col_mask)
+    if COMPUTE_DB:
+        tl.store(DB_PARTIAL + partial * C + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configuration: defaults from a small sweep on an H200 (Triton 3.6, C = 8192, K = 4,
+# T = 32k, bf16); not yet a tuning script. Under the interpreter num_warps is ignored.
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_t: int  # forward tile: tokens (power of two)
+    block_c: int  # forward tile: channels (power of two)
+    num_warps: int
+    bwd_block_t: int
+    bwd_block_c: int
+    bwd_warps: int
+    bwd_programs_per_sm: int  # with dW/dbias: programs per multiprocessor, each walking many tiles
+
+    def __post_init__(self):
+        for name in ("block_t", "block_c", "bwd_block_t", "bwd_block_c", "num_warps", "bwd_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"LaunchConfig.{name}: expected a power of two, got {value}")
+        if self.bwd_programs_per_sm < 1:
+            raise ValueError(f"LaunchConfig.bwd_programs_per_sm: expected >= 1, got {self.bwd_programs_per_sm}")
+
+
+#: Set by a tuning script to try other configurations; None in normal use.
+CONFIG_OVERRIDE: LaunchConfig | None = None
+
+
+def launch_config(C: int, K: int) -> LaunchConfig:
+    """Forward tiles of 32 tokens × 128 channels (256 contiguous bytes a token in bf16, 32
+    values a thread at 4 warps), backward 32 × 64 (it holds dz, dx and the dW tiles); narrower C
+    shrinks the channel block. Larger tiles spilled registers in the sweep (10-50× slower)."""
+    return CONFIG_OVERRIDE if CONFIG_OVERRIDE is not None else _default_config(C, K)
+
+
+@functools.lru_cache(maxsize=64)
+def _default_config(C: int, K: int) -> LaunchConfig:
+    block_c = min(128, triton.next_power_of_2(max(C, 1)))
+    return LaunchConfig(
+        block_t=32, block_c=block_c, num_warps=4,
+        bwd_block_t=32 if K <= 4 else 16, bwd_block_c=min(64, block_c), bwd_warps=4,
+        bwd_programs_per_sm=8,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Host functions: checked, channels-last tensors in, tensors out. No autograd here.
+# --------------------------------------------------------------------------------------------
+def _bias_and_seq(weight2d, bias, seq_start):
+    """Pointers for the optional arguments: a real tensor stands in for an absent one."""
+    return (weight2d if bias is None else bias), (weight2d if seq_start is None else seq_start)
+
+
+def causal_conv1d_fwd(
+    x: torch.Tensor,
+    weight2d: torch.Tensor,
+    bias: torch.Tensor | None,
+    seq_start: torch.Tensor | None,
+    silu: bool,
+    config: LaunchConfig | None = None,
+) -> torch.Tensor:
+    """``y`` for ``x`` ``[B, T, C]`` with ``x.stride(2) == 1``, ``weight2d`` ``[C, K]``,
+    ``seq_start`` ``[T]`` int32 or None; a new contiguous tensor of ``x.dtype``."""
+    B, T, C = x.shape
+    K = weight2d.shape[1]
+    y = torch.empty((B, T, C), dtype=x.dtype, device=x.device)
+    if y.numel() == 0:
+        return y
+    config = config or launch_config(C, K)
+    bias_arg, seq_arg = _bias_and_seq(weight2d, bias, seq_start)
+    grid = (triton.cdiv(T, config.block_t), triton.cdiv(C, config.block_c), B)
+    _causal_conv1d_fwd_kernel[grid](
+        x, weight2d, bias_arg, seq_arg, y, T, C,
+        x.stride(0), x.stride(1), y.stride(0), y.stride(1), weight2d.stride(0), weight2d.stride(1),
+        K=K, HAS_BIAS=bias is not None, HAS_SEQ=seq_start is not None, SILU=silu,
+        BLOCK_T=config.block_t, BLOCK_C=config.block_c, num_warps=config.num_warps,
+    )
+    return y
+
+
+def causal_conv1d_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight2d: torch.Tensor,
+    bias: torch.Tensor | None,
+    seq_start: torch.Tensor | None,
+    silu: bool,
+    *,
+    compute_dx: bool = True,
+    compute_dw: bool = True,
+    compute_db: bool = True,
+    config: LaunchConfig | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(dx, dweight2d, dbias)``, each None unless asked for (``dbias`` also None without bias).
+
+    ``dy`` and ``x`` are ``[B, T, C]`` with unit channel stride. With dW or dbias the token
+    axis is split over a few programs per SM, each walking a contiguous run of tiles and writing
+    one fp32 partial row; the partials are summed once afterwards in a fixed order:
+    deterministic, no atomics. dx alone gets one program per tile.
+    """
+    B, T, C = x.shape
+    K = weight2d.shape[1]
+    compute_db = compute_db and bias is not None
+    dx = torch.empty((B, T, C), dtype=x.dtype, device=x.device) if compute_dx else None
+    if not (compute_dx or compute_dw or compute_db):
+        return None, None, None
+    if B * T * C == 0:
+        dw = torch.zeros_like(weight2d) if compute_dw else None
+        db = torch.zeros_like(bias) if compute_db else None
+        return dx, dw, db
+    config = config or launch_config(C, K)
+    n_tiles = triton.cdiv(T, config.bwd_block_t)
+    n_cblocks = triton.cdiv(C, config.bwd_block_c)
+    if compute_dw or compute_db:
+        programs = persistent_programs(x.device, config.bwd_programs_per_sm)
+        t_programs = max(1, min(n_tiles, programs // (n_cblocks * B)))
+        tiles_per_program = triton.cdiv(n_tiles, t_programs)
+        t_programs = triton.cdiv(n_tiles, tiles_per_program)
+    else:
+        t_programs, tiles_per_program = n_tiles, 1
+    n_partials = B * t_programs
+    f32 = dict(dtype=torch.float32, device=x.device)
+    dw_partial = torch.empty((n_partials, C * K), **f32) if compute_dw else None
+    db_partial = torch.empty((n_partials, C), **f32) if compute_db else None
+    bias_arg, seq_arg = _bias_and_seq(weight2d, bias, seq_start)
+    dummy = weight2d
+    _causal_conv1d_bwd_kernel[(t_programs, n_cblocks, B)](
+        x, weight2d, bias_arg, seq_arg, dy,
+        dx if compute_dx else dummy, dw_partial if compute_dw else dummy, db_partial if compute_db else dummy,
+        T, C, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
+        dx.stride(0) if compute_dx else 0, dx.stride(1) if compute_dx else 0,
+        weight2d.stride(0), weight2d.stride(1), tiles_per_program,
+        K=K, HAS_BIAS=bias is not None, HAS_SEQ=seq_start is not None,
+        SILU=silu, COMPUTE_DX=compute_dx, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
+        BLOCK_T=config.bwd_block_t, BLOCK_C=config.bwd_block_c, num_warps=config.bwd_warps,
+    )
+    dw = sum_partials(dw_partial, weight2d.dtype).view(C, K) if compute_dw else None
+    db = sum_partials(db_partial, bias.dtype) if compute_db else None
+    return dx, dw, db
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd and functional form.
+# --------------------------------------------------------------------------------------------
+def _channels_last(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its channels are contiguous (any token/batch stride), else one copy."""
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+class CausalConv1dFunction(torch.autograd.Function):
+    """Autograd node: saves ``x`` (a reference, no copy when channels-last), the weight and bias,
+    and with ``cu_seqlens`` the int32 sequence start of every token; ``z`` is recomputed."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, seq_start, silu: bool, config: LaunchConfig | None):
+        C = x.shape[-1]
+        weight2d = weight.reshape(C, weight.shape[-1])
+        x = _channels_last(x)
+        y = causal_conv1d_fwd(x, weight2d, bias, seq_start, silu, config)
+        ctx.save_for_backward(x, weight2d, bias, seq_start)
+        ctx.silu, ctx.config, ctx.weight_shape = silu, config, weight.shape
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight2d, bias, seq_start = ctx.saved_tensors
+        needs_dx, needs_dw, needs_db = ctx.needs_input_grad[:3]
+        dx, dw, db = causal_conv1d_bwd(
+            _channels_last(dy), x, weight2d, bias, seq_start, ctx.silu,
+            compute_dx=needs_dx, compute_dw=needs_dw, compute_db=needs_db, config=ctx.config,
+        )
+        return dx, (dw.view(ctx.weight_shape) if dw is not None else None), db, None, None, None
+
+
+def _check_weight(weight: torch.Tensor, C: int) -> int:
+    """The filter width ``K`` of a ``[C, K]`` or ``[C, 1, K]`` weight, else ``ValueError``."""
+    shape = tuple(weight.shape)
+    ok = (weight.dim() == 2 or (weight.dim() == 3 and shape[1] == 1)) and shape[0] == C
+    if not ok:
+        raise ValueError(
+            f"weight: expected shape [C, K] or [C, 1, K] with C = {C} (the last dimension of x), got {shape}"
+        )
+    K = shape[-1]
+    if not 1 <= K <= MAX_KERNEL_SIZE:
+        raise ValueError(f"weight: kernel width K = {K} is not supported; expected 1 <= K <= {MAX_KERNEL_SIZE}")
+    return K
+
+
+def _sequence_starts(cu_seqlens: torch.Tensor, B: int, T: int) -> torch.Tensor:
+    """Check ``cu_seqlens`` (one device sync) and return each token's sequence start, int32 [T]."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens: expected a torch.Tensor or None, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens: expected dtype int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(
+            f"cu_seqlens: expected a 1-D tensor of N+1 >= 2 cumulative sequence starts, got shape {tuple(cu_seqlens.shape)}"
+        )
+    if B != 1:
+        raise ValueError(f"cu_seqlens: a packed batch needs x of batch size 1, got B = {B}")
+    cu = cu_seqlens.to(torch.int64)
+    first, last, decreasing = torch.stack([cu[0], cu[-1], (cu.diff() < 0).any().to(torch.int64)]).tolist()
+    if first != 0:
+        raise ValueError(f"cu_seqlens: expected to start at 0, got {first}")
+    if last != T:
+        raise ValueError(f"cu_seqlens: expected to end at T = {T} (x.shape[1]), got {last}")
+    if decreasing:
+        raise ValueError("cu_seqlens: expected non-decreasing values (cumulative sequence starts)")
+    tokens = torch.arange(T, device=cu.device)
+    return cu[torch.searchsorted(cu, tokens, right=True) - 1].to(torch.int32)
+
+
+@opaque_to_compile  # a graph break under torch.compile (see _compile.py)
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    activation: str | None = "silu",
+    cu_seqlens: torch.Tensor | None = None,
+    config: LaunchConfig | None = None,
+) -> torch.Tensor:
+    """Depthwise causal conv1d over tokens + SiLU, channels last, fp32 inside, rounded once.
+
+    ``y[b, t, c] = act(bias[c] + Σ_k weight[c, k] · x[b, t-(K-1)+k, c])``, x before the
+    sequence start taken as 0 — what transformers' Qwen3.5 GatedDeltaNet computes with
+    ``causal_conv1d_fn(mixed_qkv.transpose(1, 2), conv1d.weight.squeeze(1), conv1d.bias,
+    activation)`` transposed back, without either transpose.
+
+    Args:
+        x: ``[B, T, C]``, bf16, fp16 or fp32; any token/batch strides when the channels are
+            contiguous (a column slice of a wider in_proj output is read in place).
+        weight: ``[C, K]`` (``conv1d.weight.squeeze(1)``) or ``[C, 1, K]`` (``conv1d.weight``),
+            ``1 <= K <= 8``; any of the three float dtypes; its gradient has its dtype and shape.
+        bias: ``[C]`` or None.
+        activation: ``"silu"`` / ``"swish"`` (the same) or None.
+        cu_seqlens: int32/int64 ``[N+1]`` cumulative sequence starts of a packed batch
+            (``B = 1``, from 0 to T, non-decreasing); no value crosses a boundary. Checking it
+            synchronises with the device once.
+        config: launch configuration; None for ``launch_config(C, K)``.
+
+    Returns:
+        ``y``, a new contiguous ``[B, T, C]`` tensor of ``x.dtype``. Gradients flow to ``x``,
+        ``weight`` and ``bias`` (each skipped when it does not require grad).
+    """
+    check_float_tensor("x", x)
+    check_float_tensor("weight", weight)
+    if x.dim() != 3:
+        raise ValueError(f"x: expected a 3-D tensor [B, T, C] (channels last), got shape {tuple(x.shape)}")
+    B, T, C = x.shape
+    _check_weight(weight, C)
+    tensors = {"x": x, "weight": weight}
+    if bias is not None:
+        check_float_tensor("bias", bias)
+        if bias.dim() != 1 or bias.shape[0] != C:
+            raise ValueError(f"bias: expected a 1-D tensor of size {C} (the last dimension of x), got shape {tuple(bias.shape)}")
+        tensors["bias"] = bias
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected None, 'silu' or 'swish', got {activation!r}")
+    if cu_seqlens is not None and isinstance(cu_seqlens, torch.Tensor):
+        tensors["cu_seqlens"] = cu_seqlens
+    check_same_device(**tensors)
+    if config is not None and not isinstance(config, LaunchConfig):
+        raise TypeError(f"config: expected a LaunchConfig or None, got {type(config).__name__}")
+    seq_start = None if cu_seqlens is None else _sequence_starts(cu_seqlens, B, T)
+    return CausalConv1dFunction.apply(x, weight, bias, seq_start, activation is not None, config)

@@ -1,0 +1,238 @@
+"""The causal conv1d kernels against transformers' math, by the numerics rule of DESIGN.md.
+
+Shapes are tiny (the interpreter is slow); small launch configurations make them span several
+token and channel tiles, so halos cross tile edges and dW/dbias are reduced over programs.
+"""
+
+import pytest
+import torch
+
+from q35lab.numerics import agreement, assert_close_by_rule
+from q35lab.ops.causal_conv1d import LaunchConfig, causal_conv1d, causal_conv1d_ref, launch_config
+from q35lab.runtime import device
+
+#: Tiles of 4 tokens × 16 channels: T = 11 spans 3 tiles, C = 37 spans 3 channel blocks.
+SMALL = LaunchConfig(block_t=4, block_c=16, num_warps=1, bwd_block_t=4, bwd_block_c=16, bwd_warps=1,
+                     bwd_programs_per_sm=1)
+
+
+def _inputs(B, T, C, K, dtype, bias=True, w_shape="2d"):
+    dev = device()
+    x = torch.randn(B, T, C, device=dev).to(dtype)
+    w = (0.5 * torch.randn(C, K, device=dev)).to(dtype)
+    if w_shape == "3d":
+        w = w.unsqueeze(1)
+    b = (0.5 * torch.randn(C, device=dev)).to(dtype) if bias else None
+    dy = torch.randn(B, T, C, device=dev).to(dtype)
+    return x, w, b, dy
+
+
+def _run(fn, x, w, b, dy, **kwargs):
+    leaves = [t for t in (x, w, b) if t is not None and t.requires_grad]
+    y = fn(x, w, b, **kwargs)
+    return y, torch.autograd.grad(y, leaves, dy) if leaves else ()
+
+
+def _check(x, w, b, dy, activation="silu", cu_seqlens=None, config=SMALL, grads=("x", "w", "b")):
+    """The rule for y and every gradient asked for: kernel, reference in x's dtype, fp64."""
+    leaf = lambda t, name: None if t is None else t.detach().clone().requires_grad_(name in grads)  # noqa: E731
+    x, w, b = leaf(x, "x"), leaf(w, "w"), leaf(b, "b")
+    out = _run(causal_conv1d, x, w, b, dy, activation=activation, cu_seqlens=cu_seqlens, config=config)
+    ref = _run(causal_conv1d_ref, x, w, b, dy, activation=activation, cu_seqlens=cu_seqlens)
+    d64 = lambda t: None if t is None else t.detach().double().requires_grad_(t.requires_grad)  # noqa: E731
+    ref64 = _run(causal_conv1d_ref, d64(x), d64(w), d64(b), dy.double(), activation=activation, cu_seqlens=cu_seqlens)
+
+    y = out[0]
+    assert y.shape == x.shape and y.dtype == x.dtype and y.is_contiguous()
+    assert torch.isfinite(y).all()
+    assert_close_by_rule("y", y, ref[0], ref64[0])
+    names = [n for n, t in (("dx", x), ("dw", w), ("db", b)) if t is not None and t.requires_grad]
+    leaves = [t for t in (x, w, b) if t is not None and t.requires_grad]
+    for name, g, gr, g64, t in zip(names, out[1], ref[1], ref64[1], leaves):
+        assert g.shape == t.shape and g.dtype == t.dtype, name
+        assert_close_by_rule(name, g, gr, g64)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("B,T,C,K", [(1, 1, 37, 4), (2, 11, 37, 4), (1, 9, 16, 1), (1, 7, 20, 2), (1, 21, 5, 3)],
+                         ids=lambda v: str(v))
+def test_forward_and_gradients_match_reference(B, T, C, K, dtype):
+    _check(*_inputs(B, T, C, K, dtype))
+
+
+def test_default_launch_config_and_fp16():
+    x, w, b, dy = _inputs(1, 40, 24, 4, torch.float16)
+    _check(x, w, b, dy, config=None)
+    cfg = launch_config(8192, 4)
+    assert cfg.block_c == 128 and cfg.block_t & (cfg.block_t - 1) == 0 and launch_config(37, 4).block_c == 64
+
+
+@pytest.mark.parametrize("K,activation", [(2, None), (4, "swish"), (8, "silu")])
+def test_no_bias_activations_and_3d_weight(K, activation):
+    _check(*_inputs(1, 9, 17, K, torch.float32, bias=False, w_shape="3d"), activation=activation)
+
+
+def test_frozen_weight_and_bias_and_weight_only_gradients():
+    x, w, b, dy = _inputs(1, 9, 12, 4, torch.bfloat16)
+    _check(x, w, b, dy, grads=("x",))
+    _check(x, w, b, dy, grads=("w", "b"))
+    _check(x, w, b, dy, grads=("b",))
+    x0, w0 = x.clone().requires_grad_(), w.clone()
+    causal_conv1d(x0, w0, b, config=SMALL).sum().backward()
+    assert x0.grad is not None and w0.grad is None
+
+
+def test_column_slice_of_a_wider_buffer_is_read_in_place():
+    """x as in_proj outputs it: a column slice of [T, 3C+] with unit channel stride."""
+    buf = torch.randn(1, 9, 3 * 19 + 5, device=device(), dtype=torch.bfloat16)
+    x = buf[:, :, 19:38]
+    assert not x.is_contiguous() and x.stride(-1) == 1
+    _, w, b, dy = _inputs(1, 9, 19, 4, torch.bfloat16)
+    _check(x, w, b, dy)
+    xt = torch.randn(1, 19, 9, device=device()).transpose(1, 2)  # channels strided: copied once
+    _check(xt, w.float(), b.float(), dy.float())
+    dy_strided = torch.randn(1, 9, 40, device=device(), dtype=torch.bfloat16)[:, :, 3:22]
+    _check(x, w, b, dy_strided)
+
+
+LENGTHS = [1, 2, 3, 7, 1, 5]  # boundaries inside every K = 4 window at the short sequences
+
+
+def _packed(lengths, C, K, dtype):
+    x, w, b, dy = _inputs(1, sum(lengths), C, K, dtype)
+    cu = torch.tensor([0] + lengths, device=device()).cumsum(0).to(torch.int32)
+    return x, w, b, dy, cu
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cu_seqlens_matches_reference(dtype):
+    x, w, b, dy, cu = _packed(LENGTHS, 21, 4, dtype)
+    _check(x, w, b, dy, cu_seqlens=cu)
+
+
+def test_cu_seqlens_nothing_leaks_across_boundaries():
+    """Each sequence of a packed batch gives what it gives alone (y and dx bit for bit), even
+    when a neighbouring sequence is all NaN; dW/dbias equal the sum over the sequences."""
+    lengths = [1, 2, 3, 6, 2]
+    x, w, b, dy, cu = _packed(lengths, 9, 4, torch.float32)
+    x, w, b = x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
+    y, (dx, dw, db) = _run(causal_conv1d, x, w, b, dy, cu_seqlens=cu, config=SMALL)
+    bounds = cu.tolist()
+    dw_sum, db_sum = torch.zeros_like(w), torch.zeros_like(b)
+    for a, e in zip(bounds[:-1], bounds[1:]):
+        xs = x[:, a:e].detach().clone().requires_grad_()
+        ys, (dxs, dws, dbs) = _run(causal_conv1d, xs, w, b, dy[:, a:e].contiguous(), config=SMALL)
+        assert torch.equal(y[:, a:e], ys) and torch.equal(dx[:, a:e], dxs)
+        dw_sum, db_sum = dw_sum + dws, db_sum + dbs
+    torch.testing.assert_close(dw, dw_sum, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(db, db_sum, rtol=1e-5, atol=1e-5)
+
+    poisoned, dy_poisoned = x.detach().clone().requires_grad_(), dy.clone()
+    a, e = bounds[3], bounds[4]  # the 6-token sequence, between a 3- and a 2-token one
+    with torch.no_grad():
+        poisoned[:, a:e] = float("nan")
+    dy_poisoned[:, a:e] = float("nan")
+    yp, (dxp,) = _run(causal_conv1d, poisoned, w.detach(), b.detach(), dy_poisoned, cu_seqlens=cu, config=SMALL)
+    keep = torch.ones(x.shape[1], dtype=torch.bool)
+    keep[a:e] = False
+    assert torch.equal(yp[:, keep], y[:, keep]) and torch.equal(dxp[:, keep], dx[:, keep])
+
+
+def test_cu_seqlens_int64_with_empty_sequences():
+    lengths = [0, 4, 0, 0, 3, 1]
+    x, w, b, dy, cu = _packed(lengths, 9, 3, torch.float32)
+    _check(x, w, b, dy, cu_seqlens=cu.to(torch.int64))
+
+
+def test_output_can_be_edited_in_place():
+    x, w, b, dy = _inputs(1, 9, 17, 4, torch.float32)
+    x, w = x.requires_grad_(), w.requires_grad_()
+    y = causal_conv1d(x, w, b, config=SMALL)
+    assert y._base is None
+    expected = torch.autograd.grad(causal_conv1d_ref(x, w, b) * 2 + 1, [x, w], dy)
+    y.mul_(2).add_(1)
+    dx, dw = torch.autograd.grad(y, [x, w], dy)
+    torch.testing.assert_close(dx, expected[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw, expected[1], rtol=1e-5, atol=1e-5)
+
+
+def test_under_torch_compile():
+    x, w, b, dy = _inputs(1, 10, 24, 4, torch.float32)
+
+    def block(x, w, b):
+        return causal_conv1d(x * 1.5, w, b).sin() + 1
+
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    ws = [w.clone().requires_grad_() for _ in range(2)]
+    eager = block(xs[0], ws[0], b)
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=False)(xs[1], ws[1], b)
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+    for ge, gc in zip(torch.autograd.grad(eager, [xs[0], ws[0]], dy), torch.autograd.grad(compiled, [xs[1], ws[1]], dy)):
+        torch.testing.assert_close(gc, ge, rtol=1e-6, atol=1e-6)
+
+
+def test_empty_sequence_axis():
+    x = torch.randn(1, 0, 8, device=device(), requires_grad=True)
+    w = torch.randn(8, 4, device=device(), requires_grad=True)
+    y = causal_conv1d(x, w)
+    assert y.shape == (1, 0, 8)
+    dx, dw = torch.autograd.grad(y, [x, w], torch.ones_like(y))
+    assert dx.shape == x.shape and torch.all(dw == 0)
+
+
+def _t(*shape, dtype=torch.float32):
+    return torch.zeros(*shape, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,error,message",
+    [
+        ((_t(1, 4, 8, dtype=torch.int32), _t(8, 4)), {}, TypeError, "x: expected dtype"),
+        ((_t(1, 4, 8, dtype=torch.float64), _t(8, 4)), {}, TypeError, "x: expected dtype"),
+        ((_t(4, 8), _t(8, 4)), {}, ValueError, r"x: expected a 3-D tensor \[B, T, C\]"),
+        ((_t(1, 4, 8), _t(8, 4).tolist()), {}, TypeError, "weight: expected a torch.Tensor"),
+        ((_t(1, 4, 8), _t(9, 4)), {}, ValueError, r"weight: expected shape \[C, K\] or \[C, 1, K\] with C = 8"),
+        ((_t(1, 4, 8), _t(8, 2, 4)), {}, ValueError, "weight: expected shape"),
+        ((_t(1, 4, 8), _t(8, 9)), {}, ValueError, "weight: kernel width K = 9"),
+        ((_t(1, 4, 8), _t(8, 0)), {}, ValueError, "weight: kernel width K = 0"),
+        ((_t(1, 4, 8), _t(8, 4), _t(7)), {}, ValueError, "bias: expected a 1-D tensor of size 8"),
+        ((_t(1, 4, 8), _t(8, 4), _t(8, dtype=torch.int64)), {}, TypeError, "bias: expected dtype"),
+        ((_t(1, 4, 8), _t(8, 4)), {"activation": "gelu"}, ValueError, "activation: expected None, 'silu' or 'swish'"),
+        ((_t(1, 4, 8), _t(8, 4)), {"cu_seqlens": torch.tensor([0.0, 4.0])}, TypeError, "cu_seqlens: expected dtype int32"),
+        ((_t(1, 4, 8), _t(8, 4)), {"cu_seqlens": [0, 4]}, TypeError, "cu_seqlens: expected a torch.Tensor"),
+        ((_t(1, 4, 8), _t(8, 4)), {"cu_seqlens": torch.tensor([4])}, ValueError, "cu_seqlens: expected a 1-D tensor"),
+        ((_t(1, 4, 8), _t(8, 4)), {"cu_seqlens": torch.tensor([[0, 4]])}, ValueError, "cu_seqlens: expected a 1-D"),
+        ((_t(1, 4, 8), _t(8, 4)), {"cu_seqlens": torch.tensor([1, 4])}, ValueError, "cu_seqlens: expected to start at 0"),
+        ((_t(1, 4, 8), _t(8, 4)), {"cu_seqlens": torch.tensor([0, 3])}, ValueError, "cu_seqlens: expected to end at T = 4"),
+        ((_t(1, 4, 8), _t(8, 4)), {"cu_seqlens": torch.tensor([0, 3, 2, 4])}, ValueError, "cu_seqlens: expected non-decreasing"),
+        ((_t(2, 4, 8), _t(8, 4)), {"cu_seqlens": torch.tensor([0, 4])}, ValueError, "cu_seqlens: a packed batch needs x of batch size 1"),
+        ((_t(1, 4, 8), _t(8, 4)), {"config": {"block_t": 4}}, TypeError, "config: expected a LaunchConfig"),
+    ],
+)
+def test_bad_input_raises_naming_the_argument(args, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        on_device = lambda a: a.to(device()) if isinstance(a, torch.Tensor) else a  # noqa: E731
+        causal_conv1d(*map(on_device, args), **{k: on_device(v) for k, v in kwargs.items()})
+
+
+def test_mismatched_devices_and_bad_config_raise():
+    with pytest.raises(ValueError, match="one device"):
+        causal_conv1d(torch.zeros(1, 4, 8, device="meta"), torch.zeros(8, 4))
+    with pytest.raises(ValueError, match="LaunchConfig.block_t: expected a power of two"):
+        LaunchConfig(block_t=3, block_c=16, num_warps=1, bwd_block_t=4, bwd_block_c=16, bwd_warps=1, bwd_programs_per_sm=1)
+
+
+
+def test_bf16_agrees_with_transformers_module():
+    """transformers rounds twice (the conv output, then SiLU); the kernel once, so it is never
+    further from the fp64 result. The share of outputs that differ is reported by the bench."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_fn
+
+    x, w, b, _ = _inputs(1, 33, 40, 4, torch.bfloat16)
+    hf = causal_conv1d_fn(x.transpose(1, 2), w, b, activation="silu").transpose(1, 2)
+    ours = causal_conv1d(x, w, b)
+    exact = causal_conv1d_ref(x.double(), w.double(), b.double())
+    stats = agreement(ours, hf.contiguous())
+    assert (ours.double() - exact).abs().max() <= (hf.double() - exact).abs().max()
+    assert stats["rel_err"] < 1e-2 and stats["frac_differ"] < 0.5
