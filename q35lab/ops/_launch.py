@@ -1,8 +1,10 @@
-"""Launch helpers shared by the row-wise kernels: how many programs a persistent grid gets."""
+"""Launch helpers shared by the row-wise kernels: their ``[rows, width]`` view of an input, and
+how many programs a persistent grid gets."""
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -22,3 +24,12 @@ def persistent_programs(device: torch.device, per_sm: int) -> int:
         return INTERPRETER_PROGRAMS
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _sm_count(index) * per_sm
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a contiguous ``[rows, width]`` matrix (one copy only if ``x`` is strided).
+
+    The row count is computed, not inferred: ``reshape(-1, 0)`` cannot infer it for a zero-width
+    input, where any count fits.
+    """
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).contiguous()
