@@ -2,7 +2,9 @@
 
 Forward, backward with dW and backward with a frozen weight are timed separately with
 ``triton.testing.do_bench`` (median, L2 flushed) at width 128, rows = 32·T, bf16, "hf"
-rounding; the configuration with the least summed time over the sizes is saved for this GPU.
+rounding, each candidate passed to the host functions as ``config=`` (the other fields from the
+heuristic default); the configuration with the least summed time over the sizes is saved for
+this GPU.
 
     python scripts/tune_gated_rms_norm.py --out data/bench/<gpu>/gated_rms_norm_tuning.csv
 """
@@ -42,19 +44,18 @@ def main():
         x, g, dy = (torch.randn(n, WIDTH, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         w = torch.ones(WIDTH, device="cuda", dtype=torch.bfloat16)
         calls = {
-            "fwd": lambda: op.gated_rms_norm_fwd(x, g, w, 1e-6, "hf"),
-            "bwd": lambda: op.gated_rms_norm_bwd(dy, x, g, w, 1e-6, "hf", True),
-            "bwd_frozen_w": lambda: op.gated_rms_norm_bwd(dy, x, g, w, 1e-6, "hf", False),
+            "fwd": lambda config: op.gated_rms_norm_fwd(x, g, w, 1e-6, "hf", config=config),
+            "bwd": lambda config: op.gated_rms_norm_bwd(dy, x, g, w, 1e-6, "hf", True, config=config),
+            "bwd_frozen_w": lambda config: op.gated_rms_norm_bwd(dy, x, g, w, 1e-6, "hf", False, config=config),
         }
         traffic = {"fwd": 3, "bwd": 5, "bwd_frozen_w": 5}
         for pass_, options in candidates.items():
             for fields in options:
-                op.CONFIG_OVERRIDE = dataclasses.replace(base, **fields)
-                ms = do_bench(calls[pass_], return_mode="median")
+                config = dataclasses.replace(base, **fields)
+                ms = do_bench(lambda: calls[pass_](config), return_mode="median")
                 gbps = traffic[pass_] * n * WIDTH * 2 / ms / 1e6
                 rows.append(dict(T=T, pass_=pass_, ms=ms, gbps=gbps, pct_copy=100 * gbps / copy, copy_gbps=copy,
                                  config=str(fields), **fields))
-    op.CONFIG_OVERRIDE = None
     df = pd.DataFrame(rows)
     df.to_csv(args.out, index=False, float_format="%.5g")
     best = dataclasses.asdict(base)

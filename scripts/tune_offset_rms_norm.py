@@ -2,12 +2,14 @@
 
 Forward, backward with dW and backward with a frozen weight are timed with
 ``triton.testing.do_bench`` (median, L2 flushed) at hidden 4096, bf16, for each configuration;
-Liger's kernels are timed the same way as a yardstick. Run on a GPU:
+each candidate is passed to the host functions as ``config=`` (the fields not tried keep this
+GPU's ``launch_config``). Liger's kernels are timed the same way as a yardstick. Run on a GPU:
 
     python scripts/tune_offset_rms_norm.py --out data/bench/<gpu>/offset_rms_norm_tuning.csv
 """
 
 import argparse
+import dataclasses
 import importlib.util
 import itertools
 
@@ -40,18 +42,17 @@ def main():
         w = 0.1 * torch.randn(args.hidden, device="cuda", dtype=torch.bfloat16)
         _, rstd = op.offset_rms_norm_fwd(x, w, 1e-6)
         for rows_per_program, warps in itertools.product([1, 2, 4], [4, 8, 16]):
-            op.CONFIG_OVERRIDE = op.LaunchConfig(rows_per_program, warps, warps, 2)
-            ms = do_bench(lambda: op.offset_rms_norm_fwd(x, w, 1e-6), return_mode="median")
+            config = dataclasses.replace(default, fwd_rows_per_program=rows_per_program, fwd_warps=warps)
+            ms = do_bench(lambda: op.offset_rms_norm_fwd(x, w, 1e-6, config=config), return_mode="median")
             record(T, "fwd", "q35lab", ms, rows_per_program=rows_per_program, warps=warps)
         for warps, per_sm, stages in itertools.product([4, 8], [2, 4, 8], [1, 2, 3]):
-            op.CONFIG_OVERRIDE = op.LaunchConfig(1, warps, warps, per_sm, stages)
-            ms = do_bench(lambda: op.offset_rms_norm_bwd(dy, x, w, rstd, True), return_mode="median")
+            config = dataclasses.replace(default, bwd_warps=warps, bwd_programs_per_sm=per_sm, bwd_stages=stages)
+            ms = do_bench(lambda: op.offset_rms_norm_bwd(dy, x, w, rstd, True, config=config), return_mode="median")
             record(T, "bwd", "q35lab", ms, warps=warps, per_sm=per_sm, stages=stages)
         for warps in [4, 8, 16]:
-            op.CONFIG_OVERRIDE = op.LaunchConfig(1, warps, warps, 2, frozen_warps=warps)
-            ms = do_bench(lambda: op.offset_rms_norm_bwd(dy, x, w, rstd, False), return_mode="median")
+            config = dataclasses.replace(default, frozen_warps=warps)
+            ms = do_bench(lambda: op.offset_rms_norm_bwd(dy, x, w, rstd, False, config=config), return_mode="median")
             record(T, "bwd_frozen_w", "q35lab", ms, warps=warps)
-        op.CONFIG_OVERRIDE = None
         if importlib.util.find_spec("liger_kernel"):
             from liger_kernel.ops.rms_norm import rms_norm_backward, rms_norm_forward
 

@@ -1,5 +1,7 @@
 """The fused gated RMSNorm against transformers' math (and fla's), by the DESIGN.md rule."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -145,3 +147,110 @@ def test_bad_input_raises_naming_the_argument(args, kwargs, error, message):
 def test_bad_rounding_in_module():
     with pytest.raises(ValueError, match="rounding"):
         GatedRMSNorm(128, rounding="exact")
+
+
+@pytest.mark.parametrize("rounding", ["hf", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_output_may_be_edited_in_place(dtype, rounding):
+    """``y.mul_(2)`` after the norm, as transformers' module allows; gradients by the rule."""
+    def edit(fn):
+        return lambda *args: fn(*args).mul_(2).sub_(0.5)
+
+    shape = (3, 7, 96)
+    dev = device()
+    x = torch.randn(shape, device=dev).to(dtype).requires_grad_()
+    g = (2 * torch.randn(shape, device=dev)).to(dtype).requires_grad_()
+    w = (1 + 0.2 * torch.randn(shape[-1], device=dev)).to(dtype).requires_grad_()
+    dy = torch.randn(shape, device=dev).to(dtype)
+    assert gated_rms_norm(x, g, w, 1e-6, rounding)._base is None
+    out = _run(edit(gated_rms_norm), x, g, w, dy, rounding)
+    ref = _run(edit(gated_rms_norm_ref), x, g, w, dy, rounding)
+    x64, g64, w64 = (t.detach().double().requires_grad_() for t in (x, g, w))
+    ref64 = _run(edit(gated_rms_norm_ref), x64, g64, w64, dy.double(), rounding)
+    assert_close_by_rule("y", out[0], ref[0], ref64[0])
+    for name, a, b, c in zip(["dx", "dgate", "dw"], out[1], ref[1], ref64[1]):
+        assert_close_by_rule(name, a, b, c)
+
+
+@pytest.mark.parametrize("shape", [(4, 0), (2, 3, 0), (0, 0), (0, 128), (2, 0, 33)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_zero_width_and_zero_rows_give_what_the_reference_gives(shape):
+    x = torch.randn(shape, device=device(), requires_grad=True)
+    g = torch.randn(shape, device=device(), requires_grad=True)
+    w = (1 + 0.1 * torch.randn(shape[-1], device=device())).requires_grad_()
+    y, y_ref = gated_rms_norm(x, g, w), gated_rms_norm_ref(x, g, w)
+    assert y.shape == y_ref.shape == x.shape
+    dy = torch.randn(shape, device=device())
+    for a, b in zip(torch.autograd.grad(y, [x, g, w], dy), torch.autograd.grad(y_ref, [x, g, w], dy)):
+        assert a.shape == b.shape and torch.equal(a, b)
+
+
+def test_compiled_function_matches_eager():
+    """gated_rms_norm is a graph break: the code around it compiles, the op runs eagerly."""
+    torch._dynamo.reset()
+    w = (1 + 0.1 * torch.randn(64, device=device())).requires_grad_()
+    x = torch.randn(2, 6, 64, device=device(), requires_grad=True)
+    z = torch.randn(2, 6, 64, device=device(), requires_grad=True)
+
+    def layer(x, z):
+        return gated_rms_norm(x * 0.5 + 1, torch.sigmoid(z) * z, w, rounding="fused").square().mean(-1)
+
+    results = []
+    for fn in (layer, torch.compile(layer, backend="aot_eager")):
+        y = fn(x, z)
+        results.append((y.detach(), *torch.autograd.grad(y.sum(), [x, z, w])))
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    import inspect
+
+    assert list(inspect.signature(gated_rms_norm).parameters) == ["x", "gate", "weight", "eps", "rounding"]
+    assert gated_rms_norm.__doc__.startswith("Gated RMSNorm:")
+
+
+def test_one_launch_configuration_mechanism(monkeypatch):
+    """launch_config(width) = tuned.json's entry over the default; config= reaches the kernels."""
+    from q35lab.ops import _tuned
+    from q35lab.ops import gated_rms_norm as op
+
+    assert not hasattr(op, "CONFIG_OVERRIDE")
+    monkeypatch.setattr(_tuned, "tuned_fields", lambda name, key: {"fwd_block_rows": 2}
+                        if (name, key) == ("gated_rms_norm", 100) else None)
+    op.launch_config.cache_clear()
+    try:
+        assert op.launch_config(100) == dataclasses.replace(op._default_config(100), fwd_block_rows=2)
+        assert op.launch_config(128) == op._default_config(128)
+    finally:
+        op.launch_config.cache_clear()
+    x, g, dy = (torch.randn(37, 100, device=device()) for _ in range(3))
+    w = 1 + 0.1 * torch.randn(100, device=device())
+    grids = []
+    kernel = op._gated_rms_norm_bwd_kernel
+    monkeypatch.setattr(op, "_gated_rms_norm_bwd_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: grids.append(grid) or kernel[grid]})())
+    config = op.LaunchConfig(fwd_block_rows=4, fwd_warps=1, bwd_block_rows=2, bwd_warps=1, bwd_tiles_per_program=3,
+                             frozen_block_rows=16, frozen_warps=1)
+    y = op.gated_rms_norm_fwd(x, g, w, 1e-6, "hf", config=config)
+    assert torch.equal(y, op.gated_rms_norm_fwd(x, g, w, 1e-6, "hf"))
+    for compute_dw, programs in ((True, -(-37 // 6)), (False, -(-37 // 16))):
+        ours = op.gated_rms_norm_bwd(dy, x, g, w, 1e-6, "hf", compute_dw, config=config)
+        assert grids[-1] == (programs,)
+        default = op.gated_rms_norm_bwd(dy, x, g, w, 1e-6, "hf", compute_dw)
+        for a, b in zip(ours, default):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_committed_tuned_entries_are_valid_configurations():
+    """Every gated_rms_norm entry of ops/tuned.json names fields of LaunchConfig only."""
+    import json
+
+    from q35lab.ops import _tuned
+    from q35lab.ops import gated_rms_norm as op
+
+    entries = [(gpu, key, fields) for gpu, ops in json.loads(_tuned.TUNED_FILE.read_text()).items()
+               for key, fields in ops.get("gated_rms_norm", {}).items()]
+    assert entries  # the H200's
+    for gpu, key, fields in entries:
+        config = dataclasses.replace(op._default_config(int(key)), **fields)
+        assert all(getattr(config, name) == value for name, value in fields.items()), (gpu, key)

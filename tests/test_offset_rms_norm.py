@@ -156,3 +156,139 @@ def test_mismatched_devices_raise():
     with pytest.raises(ValueError, match="one device"):
         offset_rms_norm(x, torch.zeros(8))
 
+
+
+def _rule_on_grads(fn, shape, dtype, edit):
+    """Output and gradients of ``edit(fn(x, w))`` against the reference's by the numerics rule."""
+    dev = device()
+    x = torch.randn(shape, device=dev).to(dtype).requires_grad_()
+    w = (0.1 * torch.randn(shape[-1], device=dev)).to(dtype).requires_grad_()
+    dy = torch.randn(shape, device=dev).to(dtype)
+
+    def run(f, x, w, dy):
+        y = edit(f(x, w))
+        return (y, *torch.autograd.grad(y, [x, w], dy))
+
+    out = run(fn, x, w, dy)
+    ref = run(offset_rms_norm_ref, x, w, dy)
+    ref64 = run(offset_rms_norm_ref, x.detach().double().requires_grad_(), w.detach().double().requires_grad_(),
+                dy.double())
+    for name, a, b, c in zip(["y", "dx", "dw"], out, ref, ref64):
+        assert a.shape == b.shape
+        assert_close_by_rule(name, a, b, c)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 37), (2, 3, 96), (1, 64)], ids=lambda s: "x".join(map(str, s)))
+def test_output_may_be_edited_in_place(shape, dtype):
+    """transformers' module allows ``y.mul_(2)``; a view made inside the Function would not."""
+    x = torch.randn(shape, device=device(), dtype=dtype, requires_grad=True)
+    assert offset_rms_norm(x, torch.zeros(shape[-1], device=device(), dtype=dtype))._base is None
+    _rule_on_grads(offset_rms_norm, shape, dtype, lambda y: y.mul_(2).add_(1))
+
+
+@pytest.mark.parametrize("shape", [(4, 0), (2, 3, 0), (0, 0), (0, 48), (2, 0, 33)], ids=lambda s: "x".join(map(str, s)))
+def test_zero_width_and_zero_rows_give_what_the_reference_gives(shape):
+    """Empty output, empty dx, and dw = the reference's (empty for width 0, zeros for no rows)."""
+    x = torch.randn(shape, device=device(), requires_grad=True)
+    w = (0.1 * torch.randn(shape[-1], device=device())).requires_grad_()
+    y = offset_rms_norm(x, w)
+    y_ref = offset_rms_norm_ref(x, w)
+    assert y.shape == y_ref.shape == x.shape and y.dtype == y_ref.dtype
+    dy = torch.randn(shape, device=device())
+    for a, b in zip(torch.autograd.grad(y, [x, w], dy), torch.autograd.grad(y_ref, [x, w], dy)):
+        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+def _compilers():
+    import shutil
+
+    inductor = pytest.param("inductor", marks=pytest.mark.skipif(
+        not (shutil.which("g++") or shutil.which("c++")), reason="inductor on a CPU needs a C++ compiler"))
+    return ["aot_eager", inductor]
+
+
+@pytest.mark.parametrize("backend", _compilers())
+def test_compiled_model_and_function_match_eager(backend):
+    """The op is a graph break (ops/_compile.py): compiled code around it, the op eager."""
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(16, 40), OffsetRMSNorm(40)).to(device())
+    with torch.no_grad():
+        model[1].weight.normal_(0, 0.1)
+    x = torch.randn(3, 5, 16, device=device(), requires_grad=True)
+
+    def step(forward):
+        for p in (*model.parameters(), x):
+            p.grad = None
+        y = forward(x)
+        (y.sin() * torch.arange(40, device=device())).sum().backward()
+        return y.detach(), x.grad, *(p.grad for p in model.parameters())
+
+    def function(x):
+        return offset_rms_norm(torch.tanh(x @ model[0].weight.t()) * 2, model[1].weight).exp()
+
+    # inductor's own fp32 code (vectorised tanh/exp, fused sums) differs from eager's in the last
+    # bits: seen 5e-5 relative on the Linear's weight gradient
+    tol = dict(rtol=1e-5, atol=1e-6) if backend == "aot_eager" else dict(rtol=3e-4, atol=1e-5)
+    for eager, compiled in ((model, torch.compile(model, backend=backend)),
+                            (function, torch.compile(function, backend=backend))):
+        for a, b in zip(step(eager), step(compiled)):
+            torch.testing.assert_close(b, a, **tol)
+
+
+def test_public_function_keeps_its_signature_and_docstring():
+    import inspect
+
+    assert list(inspect.signature(offset_rms_norm).parameters) == ["x", "weight", "eps"]
+    assert offset_rms_norm.__doc__.startswith("Offset RMSNorm: ``y = x·rsqrt(mean(x²)+eps)·(1+w)``")
+
+
+def test_one_launch_configuration_mechanism(monkeypatch):
+    """launch_config(width) is this GPU's tuned.json entry (over the default's other fields),
+    else the default; the host functions take config= explicitly; no module-global override."""
+    from q35lab.ops import _tuned
+    from q35lab.ops import offset_rms_norm as op
+
+    assert not hasattr(op, "CONFIG_OVERRIDE")
+    monkeypatch.setattr(_tuned, "tuned_fields", lambda name, key: {"fwd_rows_per_program": 3, "bwd_stages": 2}
+                        if (name, key) == ("offset_rms_norm", 96) else None)
+    op.launch_config.cache_clear()
+    try:
+        tuned = op.launch_config(96)
+        assert (tuned.fwd_rows_per_program, tuned.bwd_stages) == (3, 2)
+        assert tuned.fwd_warps == op._default_config(96).fwd_warps
+        assert op.launch_config(64) == op._default_config(64)
+    finally:
+        op.launch_config.cache_clear()
+
+    x = torch.randn(13, 96, device=device())
+    w = 0.1 * torch.randn(96, device=device())
+    dy = torch.randn_like(x)
+    grids = []
+    kernel = op._offset_rms_norm_fwd_kernel
+    monkeypatch.setattr(op, "_offset_rms_norm_fwd_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: grids.append(grid) or kernel[grid]})())
+    y, rstd = op.offset_rms_norm_fwd(x, w, 1e-6)
+    config = op.LaunchConfig(fwd_rows_per_program=5, fwd_warps=1, bwd_warps=1, bwd_programs_per_sm=1, bwd_stages=1,
+                             frozen_warps=1)
+    y5, rstd5 = op.offset_rms_norm_fwd(x, w, 1e-6, config=config)
+    default_rows = op.launch_config(96).fwd_rows_per_program
+    assert grids == [(-(-13 // default_rows),), (3,)]  # ceil(13 / 5) programs with the explicit config
+    assert torch.equal(y, y5) and torch.equal(rstd, rstd5)
+    for compute_dw in (True, False):
+        dx, dw = op.offset_rms_norm_bwd(dy, x, w, rstd, compute_dw)
+        dx1, dw1 = op.offset_rms_norm_bwd(dy, x, w, rstd, compute_dw, config=config)
+        torch.testing.assert_close(dx1, dx, rtol=1e-6, atol=1e-6)
+        assert (dw is None) == (dw1 is None) == (not compute_dw)
+        if compute_dw:
+            torch.testing.assert_close(dw1, dw, rtol=1e-5, atol=1e-5)
+
+
+def test_tuned_entries_name_only_real_fields(monkeypatch):
+    """A misspelt tuned.json field raises instead of being ignored."""
+    from q35lab.ops import _tuned
+    from q35lab.ops import offset_rms_norm as op
+
+    monkeypatch.setattr(_tuned, "tuned_fields", lambda name, key: {"fwd_rows": 3})
+    with pytest.raises(ValueError, match=r"offset_rms_norm at 96: unknown fields \['fwd_rows'\]"):
+        _tuned.tuned_config("offset_rms_norm", 96, op._default_config(96))

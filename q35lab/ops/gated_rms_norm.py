@@ -24,11 +24,15 @@ Backward (both modes compute the exact fp32 gradient of the formula above), with
 
 Nothing is saved but the inputs: ``rstd`` is recomputed in the backward, which reads ``x``
 anyway (4 bytes a row would be 1.6 % of the traffic at width 128).
+
+Layering: ``_gated_rms_norm_fwd_kernel`` / ``_gated_rms_norm_bwd_kernel`` → ``gated_rms_norm_fwd``
+/ ``gated_rms_norm_bwd`` (host, launched as ``launch_config(width)`` says unless given
+``config=``) → ``GatedRMSNormFunction`` → ``gated_rms_norm`` (a graph break under
+``torch.compile``) → ``GatedRMSNorm``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -36,13 +40,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_eps, check_float_tensor, check_same_device, check_weight, rows_view
+from ._checks import check_eps, check_float_tensor, check_same_device, check_weight
+from ._compile import opaque_to_compile
+from ._launch import as_rows
 from ._reduce import sum_partials
-from ._tuned import tuned_fields
+from ._tuned import tuned_config
 
 __all__ = [
     "ROUNDINGS",
     "gated_rms_norm_ref",
+    "LaunchConfig",
+    "launch_config",
     "gated_rms_norm_fwd",
     "gated_rms_norm_bwd",
     "GatedRMSNormFunction",
@@ -203,21 +211,15 @@ class LaunchConfig:
     frozen_warps: int
 
 
-#: Set by the tuning script to try other configurations; None in normal use.
-CONFIG_OVERRIDE: LaunchConfig | None = None
-
-
+@functools.lru_cache(maxsize=64)  # host time matters at small T: decide once per width
 def launch_config(n_cols: int) -> LaunchConfig:
-    return CONFIG_OVERRIDE if CONFIG_OVERRIDE is not None else _default_config(n_cols)
+    """The configuration rows of width ``n_cols`` launch with on this GPU: its tuned.json entry,
+    else ``_default_config``."""
+    return tuned_config("gated_rms_norm", n_cols, _default_config(n_cols))
 
 
-@functools.lru_cache(maxsize=64)
 def _default_config(n_cols: int) -> LaunchConfig:
-    """This GPU's tuned configuration if ops/tuned.json has one, else tiles of ~4k elements
-    (32 rows of 128: 32 values per thread per tensor at 4 warps)."""
-    tuned = tuned_fields("gated_rms_norm", n_cols)
-    if tuned is not None and set(tuned) == {f.name for f in dataclasses.fields(LaunchConfig)}:
-        return LaunchConfig(**tuned)
+    """Tiles of ~4k elements (32 rows of 128: 32 values per thread per tensor at 4 warps)."""
     block_cols = triton.next_power_of_2(n_cols)
     rows = max(1, 4096 // block_cols)
     warps = max(1, min(8, rows * block_cols // 1024))
@@ -231,13 +233,17 @@ def _default_config(n_cols: int) -> LaunchConfig:
 # --------------------------------------------------------------------------------------------
 # Host functions.
 # --------------------------------------------------------------------------------------------
-def gated_rms_norm_fwd(x2d: torch.Tensor, g2d: torch.Tensor, weight: torch.Tensor, eps: float, rounding: str) -> torch.Tensor:
-    """Forward over contiguous ``[rows, width]`` matrices."""
+def gated_rms_norm_fwd(
+    x2d: torch.Tensor, g2d: torch.Tensor, weight: torch.Tensor, eps: float, rounding: str, *,
+    config: LaunchConfig | None = None, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Forward over contiguous ``[rows, width]`` matrices; writes into ``out`` (contiguous
+    ``[rows, width]``) if given. ``config``: None for ``launch_config(width)``."""
     n_rows, n_cols = x2d.shape
-    y = torch.empty_like(x2d)
-    if n_rows == 0:
+    y = torch.empty_like(x2d) if out is None else out
+    if x2d.numel() == 0:  # no rows, or rows of width 0
         return y
-    config = launch_config(n_cols)
+    config = launch_config(n_cols) if config is None else config
     round_after_weight = torch.promote_types(weight.dtype, x2d.dtype).itemsize < 4
     _gated_rms_norm_fwd_kernel[(triton.cdiv(n_rows, config.fwd_block_rows),)](
         x2d, g2d, weight, y, n_rows, n_cols, x2d.stride(0), g2d.stride(0), y.stride(0), eps,
@@ -249,14 +255,14 @@ def gated_rms_norm_fwd(x2d: torch.Tensor, g2d: torch.Tensor, weight: torch.Tenso
 
 def gated_rms_norm_bwd(
     dy2d: torch.Tensor, x2d: torch.Tensor, g2d: torch.Tensor, weight: torch.Tensor, eps: float,
-    rounding: str, compute_dw: bool,
+    rounding: str, compute_dw: bool, *, config: LaunchConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Backward over contiguous ``[rows, width]`` matrices: ``(dx, dgate, dw or None)``."""
     n_rows, n_cols = x2d.shape
     dx, dg = torch.empty_like(x2d), torch.empty_like(g2d)
-    if n_rows == 0:
+    if x2d.numel() == 0:  # no rows: dW is an empty sum; width 0: everything is empty
         return dx, dg, (torch.zeros_like(weight) if compute_dw else None)
-    config = launch_config(n_cols)
+    config = launch_config(n_cols) if config is None else config
     if compute_dw:
         block_rows, warps, tiles = config.bwd_block_rows, config.bwd_warps, config.bwd_tiles_per_program
     else:
@@ -276,23 +282,30 @@ def gated_rms_norm_bwd(
 # Autograd, functional form, module.
 # --------------------------------------------------------------------------------------------
 class GatedRMSNormFunction(torch.autograd.Function):
-    """Autograd node: saves x, gate and w (the layer keeps them alive anyway), nothing else."""
+    """Autograd node: saves x, gate and w (the layer keeps them alive anyway), nothing else.
+
+    The output is allocated in ``x``'s shape (the kernel writes a ``[rows, width]`` view of it),
+    so it is no view made inside the Function and may be edited in place.
+    """
 
     @staticmethod
     def forward(ctx, x, gate, weight, eps: float, rounding: str):
-        x2d, g2d = rows_view(x), rows_view(gate)
+        x2d, g2d = as_rows(x), as_rows(gate)
         ctx.save_for_backward(x2d, g2d, weight)
         ctx.eps, ctx.rounding = eps, rounding
-        return gated_rms_norm_fwd(x2d, g2d, weight, eps, rounding).view(x.shape)
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        gated_rms_norm_fwd(x2d, g2d, weight, eps, rounding, out=y.view(x2d.shape))
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         x2d, g2d, weight = ctx.saved_tensors
         needs_dx, needs_dg, needs_dw = ctx.needs_input_grad[:3]
-        dx, dg, dw = gated_rms_norm_bwd(rows_view(dy), x2d, g2d, weight, ctx.eps, ctx.rounding, needs_dw)
+        dx, dg, dw = gated_rms_norm_bwd(as_rows(dy), x2d, g2d, weight, ctx.eps, ctx.rounding, needs_dw)
         return (dx.view(dy.shape) if needs_dx else None), (dg.view(dy.shape) if needs_dg else None), dw, None, None
 
 
+@opaque_to_compile
 def gated_rms_norm(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, rounding: str = "hf"
 ) -> torch.Tensor:
@@ -304,6 +317,8 @@ def gated_rms_norm(
         weight: ``[width]``; its gradient is skipped when it does not require grad.
         eps: added to the mean square.
         rounding: ``"hf"`` (transformers' cast order) or ``"fused"`` (one rounding, fla's).
+
+    A width of 0 gives what the reference gives: an empty output and empty gradients.
     """
     check_float_tensor("x", x)
     check_float_tensor("gate", gate)

@@ -17,8 +17,9 @@ Backward, with ``g = dy · (1 + w)`` and ``c = mean(g · x̂)`` per row::
     dw = Σ_rows dy · x̂                        # fp32 partial per program, reduced once
 
 Layering: ``_offset_rms_norm_fwd_kernel`` / ``_offset_rms_norm_bwd_kernel`` (Triton) →
-``offset_rms_norm_fwd`` / ``offset_rms_norm_bwd`` (host) → ``OffsetRMSNormFunction`` →
-``offset_rms_norm`` (functional) → ``OffsetRMSNorm`` (module); ``offset_rms_norm_ref`` is the
+``offset_rms_norm_fwd`` / ``offset_rms_norm_bwd`` (host, launched as ``launch_config(width)``
+says unless given ``config=``) → ``OffsetRMSNormFunction`` → ``offset_rms_norm`` (functional, a
+graph break under ``torch.compile``) → ``OffsetRMSNorm`` (module); ``offset_rms_norm_ref`` is the
 transformers math in PyTorch, the reference every test compares against.
 """
 
@@ -31,13 +32,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import runtime
-from ._checks import check_eps, check_float_tensor, check_same_device, check_weight, rows_view
-from ._launch import persistent_programs
+from ._checks import check_eps, check_float_tensor, check_same_device, check_weight
+from ._compile import opaque_to_compile
+from ._launch import as_rows, persistent_programs
 from ._reduce import sum_partials
+from ._tuned import tuned_config
 
 __all__ = [
     "offset_rms_norm_ref",
+    "LaunchConfig",
+    "launch_config",
     "offset_rms_norm_fwd",
     "offset_rms_norm_bwd",
     "OffsetRMSNormFunction",
@@ -185,7 +189,8 @@ def _offset_rms_norm_bwd_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# Launch configuration, tuned on an H200 (data/bench/nvidia-h200/offset_rms_norm_tuning.csv;
+# Launch configuration: this GPU's entry in ops/tuned.json if there is one, else the heuristic
+# below, itself tuned on an H200 (data/bench/nvidia-h200/offset_rms_norm_tuning.csv;
 # scripts/tune_offset_rms_norm.py). Under the interpreter num_warps is ignored.
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -198,18 +203,16 @@ class LaunchConfig:
     frozen_warps: int = 8  # backward without dW: one row per program
 
 
-#: Set by the tuning script to try other configurations; None in normal use.
-CONFIG_OVERRIDE: LaunchConfig | None = None
-
-
+@functools.lru_cache(maxsize=64)  # host time matters at small T: decide once per width
 def launch_config(n_cols: int) -> LaunchConfig:
+    """The configuration rows of width ``n_cols`` launch with on this GPU: its tuned.json entry,
+    else ``_default_config``."""
+    return tuned_config("offset_rms_norm", n_cols, _default_config(n_cols))
+
+
+def _default_config(n_cols: int) -> LaunchConfig:
     """Row-wise kernels want ~16 values per thread: 8 warps for a 4096-wide row; narrow rows
     pack several rows into one program so each program still moves a few KB."""
-    return CONFIG_OVERRIDE if CONFIG_OVERRIDE is not None else _default_config(n_cols)
-
-
-@functools.lru_cache(maxsize=64)  # host time matters at small T: decide once per width
-def _default_config(n_cols: int) -> LaunchConfig:
     block_cols = triton.next_power_of_2(n_cols)
     warps = max(1, min(16, block_cols // 512))
     return LaunchConfig(
@@ -225,14 +228,22 @@ def _default_config(n_cols: int) -> LaunchConfig:
 # --------------------------------------------------------------------------------------------
 # Host functions: [rows, width] in, tensors out. No autograd here.
 # --------------------------------------------------------------------------------------------
-def offset_rms_norm_fwd(x2d: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward over a contiguous ``[rows, width]`` matrix; returns ``(y, rstd)``."""
+def offset_rms_norm_fwd(
+    x2d: torch.Tensor, weight: torch.Tensor, eps: float, *, config: LaunchConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward over a contiguous ``[rows, width]`` matrix; returns ``(y, rstd)``.
+
+    ``out``: a contiguous ``[rows, width]`` tensor to write ``y`` into (the autograd Function
+    passes a view of its final-shape output), else one is allocated. ``config``: None for
+    ``launch_config(width)``.
+    """
     n_rows, n_cols = x2d.shape
-    y = torch.empty_like(x2d)
+    y = torch.empty_like(x2d) if out is None else out
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
-    if n_rows == 0:
+    if x2d.numel() == 0:  # no rows, or rows of width 0: nothing to normalise
         return y, rstd
-    config = launch_config(n_cols)
+    config = launch_config(n_cols) if config is None else config
     grid = (triton.cdiv(n_rows, config.fwd_rows_per_program),)
     _offset_rms_norm_fwd_kernel[grid](
         x2d, weight, y, rstd, n_rows, n_cols, x2d.stride(0), y.stride(0), eps,
@@ -243,7 +254,8 @@ def offset_rms_norm_fwd(x2d: torch.Tensor, weight: torch.Tensor, eps: float) -> 
 
 
 def offset_rms_norm_bwd(
-    dy2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, compute_dw: bool
+    dy2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, compute_dw: bool,
+    *, config: LaunchConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Backward over ``[rows, width]``; returns ``(dx, dw)`` with ``dw=None`` unless ``compute_dw``.
 
@@ -254,9 +266,9 @@ def offset_rms_norm_bwd(
     """
     n_rows, n_cols = x2d.shape
     dx = torch.empty_like(x2d)
-    if n_rows == 0:
+    if x2d.numel() == 0:  # no rows: dW is an empty sum; width 0: dx and dW are empty
         return dx, (torch.zeros_like(weight) if compute_dw else None)
-    config = launch_config(n_cols)
+    config = launch_config(n_cols) if config is None else config
     block_cols = triton.next_power_of_2(n_cols)
     strides = (dy2d.stride(0), x2d.stride(0), dx.stride(0))
     if not compute_dw:
@@ -279,23 +291,30 @@ def offset_rms_norm_bwd(
 # Autograd, functional form, module.
 # --------------------------------------------------------------------------------------------
 class OffsetRMSNormFunction(torch.autograd.Function):
-    """Autograd node: saves ``x``, ``w`` and the fp32 ``rstd`` (4 bytes a row), nothing more."""
+    """Autograd node: saves ``x``, ``w`` and the fp32 ``rstd`` (4 bytes a row), nothing more.
+
+    The output is allocated in ``x``'s shape and the kernel writes it through a ``[rows, width]``
+    view: a view made here and returned would be one autograd forbids editing in place
+    (``y.mul_(2)``), which transformers' module allows.
+    """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        x2d = rows_view(x)
-        y, rstd = offset_rms_norm_fwd(x2d, weight, eps)
+        x2d = as_rows(x)
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        _, rstd = offset_rms_norm_fwd(x2d, weight, eps, out=y.view(x2d.shape))
         ctx.save_for_backward(x2d, weight, rstd)
-        return y.view(x.shape)
+        return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x2d, weight, rstd = ctx.saved_tensors
         needs_dx, needs_dw, _ = ctx.needs_input_grad
-        dx, dw = offset_rms_norm_bwd(rows_view(dy), x2d, weight, rstd, compute_dw=needs_dw)
+        dx, dw = offset_rms_norm_bwd(as_rows(dy), x2d, weight, rstd, compute_dw=needs_dw)
         return (dx.view(dy.shape) if needs_dx else None), dw, None
 
 
+@opaque_to_compile
 def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Offset RMSNorm: ``y = x·rsqrt(mean(x²)+eps)·(1+w)`` in fp32, rounded once to ``x.dtype``.
 
@@ -304,6 +323,8 @@ def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) ->
         weight: ``[width]``, the offset from a unit scale (zero-initialised in Qwen3.5);
             any float dtype; its gradient is skipped when it does not require grad.
         eps: added to the mean square before the square root.
+
+    A width of 0 gives what the reference gives: an empty output and empty gradients.
     """
     check_float_tensor("x", x)
     check_float_tensor("weight", weight)
