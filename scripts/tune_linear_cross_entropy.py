@@ -5,7 +5,8 @@ GEMMs and, with a trainable head, one more read and write of the fp32 dW accumul
 A trainable head's gradient can also be made block by block of the vocabulary in a second pass
 (``weight_grad="recompute"``: a fourth matmul, but no fp32 [V, H] buffer). For the trainable head
 (both ways) and the frozen head, each chunk size is measured (kernel time from the profiler,
-extra peak memory) at hidden 4096, vocabulary 248,320, bf16. Recorded in q35lab/ops/tuned.json
+extra peak memory) at hidden 4096, vocabulary 248,320, bf16, each passed as ``config=`` (the
+other fields from this GPU's ``launch_config``). Recorded in q35lab/ops/tuned.json
 for this GPU: per head, the smallest chunk within 2% of the fastest; for the trainable head
 "recompute" if its best time is within 5% of "accumulate"'s (then memory decides), else
 "accumulate".
@@ -14,6 +15,7 @@ for this GPU: per head, the smallest chunk within 2% of the fastest; for the tra
 """
 
 import argparse
+import dataclasses
 
 import pandas as pd
 import torch
@@ -21,7 +23,7 @@ import torch
 from q35lab import shapes
 from q35lab.bench import core
 from q35lab.ops import _tuned
-from q35lab.ops.linear_cross_entropy import linear_cross_entropy
+from q35lab.ops import linear_cross_entropy as op
 
 #: A chunk within this factor of the fastest counts as fast: among those the smallest is kept.
 WITHIN = 1.02
@@ -40,14 +42,18 @@ def main():
     one_matmul_ms = 2 * args.T * hidden * vocab / (matmul_tflops * 1e12) * 1e3
     x = torch.randn(args.T, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     target = torch.randint(0, vocab, (args.T,), device="cuda")
+    default = op.launch_config(vocab, hidden, torch.bfloat16)
     rows, best = [], {}
     for head, weight_grad in (("trainable", "accumulate"), ("trainable", "recompute"), ("frozen", "accumulate")):
         w = (torch.randn(vocab, hidden, device="cuda") / hidden**0.5).to(torch.bfloat16)
         w.requires_grad_(head == "trainable")
         wanted = [x, w] if head == "trainable" else [x]
         for chunk in args.chunks:
-            def step(chunk=chunk):
-                loss = linear_cross_entropy(x, w, target, chunk_size=chunk, weight_grad=weight_grad)
+            config = dataclasses.replace(default, weight_grad=weight_grad, chunk_rows_trainable=chunk,
+                                         chunk_rows_frozen=chunk)
+
+            def step(config=config):
+                loss = op.linear_cross_entropy(x, w, target, config=config)
                 return torch.autograd.grad(loss, wanted)
 
             timing = core.measure([step])

@@ -21,23 +21,35 @@ Only one chunk of logits ever exists. For the
 "mean" and "sum" reductions the gradients are computed during the forward (the upstream gradient
 is a scalar, applied in backward); for "none" the backward recomputes each chunk's logits and
 statistics with the per-token weights.
+
+How it is launched (tokens per chunk, the trained head's gradient mode, the kernels' splits,
+blocks and warps) is one ``LaunchConfig``: ``launch_config(vocab, hidden, dtype)`` gives this
+GPU's tuned.json entry for ``vocab × hidden`` where there is one, else the heuristic default;
+``linear_cross_entropy(..., config=)`` takes another.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from ._checks import check_float_tensor, check_same_device
-from ._tuned import tuned_fields
+from ._compile import opaque_to_compile
+from ._tuned import tuned_config
 from .lora import _compute_dtype
 
-__all__ = ["linear_cross_entropy", "linear_cross_entropy_ref", "LinearCrossEntropyFunction", "default_chunk_size",
-           "CHUNK_BYTES"]
+__all__ = ["linear_cross_entropy", "linear_cross_entropy_ref", "LinearCrossEntropyFunction", "LaunchConfig",
+           "launch_config", "default_chunk_size", "CHUNK_BYTES"]
 
 #: Bytes one chunk of logits may take (in the compute dtype): the knob that trades memory for
-#: GEMM size. ``linear_cross_entropy(..., chunk_size=N)`` overrides the rows per chunk directly.
+#: GEMM size, read by the default launch configuration. ``linear_cross_entropy(..., chunk_size=N)``
+#: overrides the rows per chunk directly.
 CHUNK_BYTES = 256 * 2**20
 REDUCTIONS = ("mean", "sum", "none")
 WEIGHT_GRADS = ("auto", "accumulate", "recompute")
@@ -52,10 +64,66 @@ def linear_cross_entropy_ref(input, linear_weight, target, *, ignore_index=-100,
         target.shape if reduction == "none" else ())
 
 
-#: Columns of one row that one program handles. A chunk has few rows (512 at this vocabulary) and
-#: each is 248,320 wide: one program per row would leave the GPU with 512 long serial loops, so
-#: a row is split across programs, which first record a partial (max, Σexp) each.
+#: Columns of one row that one program handles (the default configuration's). A chunk has few
+#: rows (512 at this vocabulary) and each is 248,320 wide: one program per row would leave the GPU
+#: with 512 long serial loops, so a row is split across programs, which first record a partial
+#: (max, Σexp) each.
 SPLIT_COLS = 16384
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configuration.
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LaunchConfig:
+    chunk_rows_trainable: int  # tokens per chunk of logits when the head is trained
+    chunk_rows_frozen: int  # ... when it is frozen (no fp32 dW accumulator read per chunk)
+    weight_grad: str  # how a trained head's dW is made: "accumulate" or "recompute"
+    split_cols: int  # columns of a row one program of the two CE kernels handles
+    ce_block: int  # widest block those programs load at once (a power of two)
+    ce_warps: int
+    grad_block_rows: int  # the tile of _softmax_grad_kernel ("recompute" only)
+    grad_block_cols: int
+    grad_warps: int
+    vocab_block_bytes: int  # "recompute": bytes of one vocabulary block's logits over every token
+
+    def __post_init__(self):
+        if self.weight_grad not in WEIGHT_GRADS[1:]:
+            raise ValueError(f"LaunchConfig.weight_grad: expected one of {WEIGHT_GRADS[1:]}, got {self.weight_grad!r}")
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name != "weight_grad" and not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"LaunchConfig.{field.name}: expected a positive int, got {value!r}")
+        for name in ("ce_block", "grad_block_rows", "grad_block_cols"):
+            if getattr(self, name) & (getattr(self, name) - 1):
+                raise ValueError(f"LaunchConfig.{name}: expected a power of two, got {getattr(self, name)}")
+
+    def chunk_rows(self, n_rows: int, head_trainable: bool) -> int:
+        """Rows per chunk for ``n_rows`` tokens (never more than there are)."""
+        rows = self.chunk_rows_trainable if head_trainable else self.chunk_rows_frozen
+        return max(1, min(n_rows, rows))
+
+
+def launch_config(vocab: int, hidden: int | None, dtype: torch.dtype) -> LaunchConfig:
+    """This GPU's tuned configuration for ``vocab × hidden`` (tuned.json, written by
+    ``scripts/tune_linear_cross_entropy.py``), else ``_default_config``. Not cached: it is one
+    dictionary lookup a loss call, and the defaults read ``CHUNK_BYTES`` when called."""
+    default = _default_config(vocab, dtype)
+    return default if hidden is None else tuned_config("linear_cross_entropy", f"{vocab}x{hidden}", default)
+
+
+def _default_config(vocab: int, dtype: torch.dtype) -> LaunchConfig:
+    """As many rows per chunk as fit ``CHUNK_BYTES`` of logits (a power of two, for the GEMMs);
+    CE blocks of up to 4096 columns at 8 warps (4 below that)."""
+    vocab = max(vocab, 1)  # a head of no classes: any positive numbers do
+    rows = max(1, CHUNK_BYTES // (vocab * torch.empty((), dtype=dtype).element_size()))
+    rows = 1 << (rows.bit_length() - 1)
+    block = min(4096, triton.next_power_of_2(min(vocab, SPLIT_COLS)))
+    return LaunchConfig(
+        chunk_rows_trainable=rows, chunk_rows_frozen=rows, weight_grad="accumulate",
+        split_cols=SPLIT_COLS, ce_block=block, ce_warps=8 if block >= 4096 else 4,
+        grad_block_rows=16, grad_block_cols=256, grad_warps=4, vocab_block_bytes=CHUNK_BYTES,
+    )
 
 
 @triton.jit
@@ -142,19 +210,19 @@ def _ce_finish_kernel(
             tl.store(base + cols, (grad * scale).to(LOGITS.dtype.element_ty), mask=mask)
 
 
-def _ce_rows(logits, target, scale, loss, ignore_index, compute_grad, lse=None):
+def _ce_rows(logits, target, scale, loss, ignore_index, compute_grad, config: LaunchConfig, lse=None):
     """Per row of ``logits``: the loss into ``loss``, with ``compute_grad`` the logit gradient
     over the logits (in place), and the log-sum-exp into ``lse`` if given. Two launches over a
     (rows × splits) grid."""
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
-    block = min(4096, triton.next_power_of_2(min(n_cols, SPLIT_COLS)))
-    cols_per_split = triton.cdiv(SPLIT_COLS, block) * block
+    block = min(config.ce_block, triton.next_power_of_2(min(n_cols, config.split_cols)))
+    cols_per_split = triton.cdiv(config.split_cols, block) * block
     n_splits = triton.cdiv(n_cols, cols_per_split)
     part_max = torch.empty((n_rows, n_splits), dtype=torch.float32, device=logits.device)
     part_sum = torch.empty_like(part_max)
-    warps = 8 if block >= 4096 else 4
+    warps = config.ce_warps
     if compute_grad:
         # The finish kernel's first split reads the target logit from `logits`, where the split
         # holding the target column may already have written its gradient: programs of one row
@@ -206,30 +274,42 @@ def _softmax_grad_kernel(
 
 def default_chunk_size(n_rows: int, vocab: int, dtype: torch.dtype, hidden: int | None = None,
                        head_trainable: bool = True) -> int:
-    """Rows per chunk: this GPU's tuned choice for ``vocab × hidden`` and the head's mode where
-    ``scripts/tune_linear_cross_entropy.py`` recorded one, else as many as fit ``CHUNK_BYTES``
-    of logits (a power of two, for the GEMMs)."""
-    tuned = tuned_fields("linear_cross_entropy", f"{vocab}x{hidden}") if hidden else None
-    key = "chunk_rows_trainable" if head_trainable else "chunk_rows_frozen"
-    if tuned is not None and key in tuned:
-        return max(1, min(n_rows, int(tuned[key])))
-    rows = max(1, CHUNK_BYTES // (vocab * torch.empty((), dtype=dtype).element_size()))
-    return max(1, min(n_rows, 1 << (rows.bit_length() - 1)))
+    """Rows per chunk: ``launch_config(vocab, hidden, dtype).chunk_rows(n_rows, head_trainable)``
+    (this GPU's tuned choice where recorded, else as many as fit ``CHUNK_BYTES`` of logits)."""
+    return launch_config(vocab, hidden, dtype).chunk_rows(n_rows, head_trainable)
+
+
+def _addmm_into_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a·b, 16-bit operands into the fp32 ``acc`` in place (cuBLAS; CPU builds lack it)."""
+    torch.ops.aten.addmm.dtype_out(acc, a, b, acc.dtype, out=acc)
+
+
+@functools.lru_cache(maxsize=None)
+def _mixed_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``_addmm_into_fp32`` runs for ``dtype`` operands on ``device``: probed once, with
+    a 1×1 product, so a real call never has to catch anything. An out-of-memory error is not an
+    answer: it propagates."""
+    acc = torch.zeros((1, 1), dtype=torch.float32, device=device)
+    one = torch.ones((1, 1), dtype=dtype, device=device)
+    try:
+        _addmm_into_fp32(acc, one, one)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except (RuntimeError, AttributeError):  # NotImplementedError (no kernel) is a RuntimeError
+        return False
+    return True
 
 
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc += a·b with ``acc`` in fp32: each chunk's product is added unrounded (DESIGN: never
-    rely on bf16 arithmetic — a bf16 accumulator would round once per chunk)."""
+    rely on bf16 arithmetic — a bf16 accumulator would round once per chunk). Where the device
+    has no mixed-precision GEMM the operands are upcast (an fp32 copy of both)."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
-        return
-    if acc.is_cuda:
-        try:  # cuBLAS: bf16 operands, fp32 accumulator, in place
-            torch.ops.aten.addmm.dtype_out(acc, a, b, acc.dtype, out=acc)
-            return
-        except (RuntimeError, AttributeError):
-            pass
-    acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+    elif _mixed_gemm_available(acc.device, a.dtype):
+        _addmm_into_fp32(acc, a, b)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
 def _chunks(n_rows: int, chunk_size: int):
@@ -237,7 +317,7 @@ def _chunks(n_rows: int, chunk_size: int):
         yield slice(start, min(start + chunk_size, n_rows))
 
 
-def _weight_grad_by_vocab_blocks(x2d, w, target, scale, lse, ignore_index, out_dtype):
+def _weight_grad_by_vocab_blocks(x2d, w, target, scale, lse, ignore_index, out_dtype, config: LaunchConfig):
     """dW block by block of the vocabulary, over every token at once: recompute the block's
     logits ([T, Vb]), turn them into their gradient with the saved log-sum-exp, and make
     dW_b = dz_bᵀ·x in one GEMM whose fp32 accumulator spans all T tokens (one rounding, and no
@@ -245,14 +325,15 @@ def _weight_grad_by_vocab_blocks(x2d, w, target, scale, lse, ignore_index, out_d
     n_rows, vocab = x2d.shape[0], w.shape[0]
     if n_rows == 0:  # no tokens, no gradient
         return torch.zeros((vocab, w.shape[1]), dtype=out_dtype, device=x2d.device)
-    block = max(1, min(vocab, CHUNK_BYTES // (n_rows * x2d.element_size())))
+    block = max(1, min(vocab, config.vocab_block_bytes // (n_rows * x2d.element_size())))
     dw = torch.empty((vocab, w.shape[1]), dtype=out_dtype, device=x2d.device)
     for first in range(0, vocab, block):
         classes = slice(first, min(first + block, vocab))
         z = x2d @ w[classes].t()  # [T, Vb]
-        grid = (triton.cdiv(n_rows, 16), triton.cdiv(z.shape[1], 256))
+        grid = (triton.cdiv(n_rows, config.grad_block_rows), triton.cdiv(z.shape[1], config.grad_block_cols))
         _softmax_grad_kernel[grid](z, lse, target, scale, n_rows, z.shape[1], z.stride(0), first, ignore_index,
-                                   BLOCK_ROWS=16, BLOCK_COLS=256, num_warps=4)
+                                   BLOCK_ROWS=config.grad_block_rows, BLOCK_COLS=config.grad_block_cols,
+                                   num_warps=config.grad_warps)
         if out_dtype == x2d.dtype:
             torch.mm(z.t(), x2d, out=dw[classes])
         else:  # e.g. an fp32 head with bf16 activations: accumulate in fp32, as the other path
@@ -263,14 +344,16 @@ def _weight_grad_by_vocab_blocks(x2d, w, target, scale, lse, ignore_index, out_d
     return dw
 
 
-def _chunked_pass(x2d, weight, target, scale, loss_rows, ignore_index, chunk_size, want_dx, want_dw,
-                  weight_grad="accumulate"):
+def _chunked_pass(x2d, weight, target, scale, loss_rows, ignore_index, want_dx, want_dw, config: LaunchConfig,
+                  head_trainable: bool):
     """Chunks of tokens, each with its full rows of logits: every token's loss into ``loss_rows``
     and, when a gradient is wanted, the logit gradient in place (weighted by ``scale``), then the
-    chunk's dx and its share of dW (fp32, cast once at the end). With ``weight_grad="recompute"``
-    dW is not accumulated here: the pass records each token's log-sum-exp instead and
-    ``_weight_grad_by_vocab_blocks`` makes dW afterwards. Returns (dx or None, dW or None)."""
-    by_blocks = want_dw and weight_grad == "recompute"
+    chunk's dx and its share of dW (fp32, cast once at the end). With
+    ``config.weight_grad == "recompute"`` dW is not accumulated here: the pass records each
+    token's log-sum-exp instead and ``_weight_grad_by_vocab_blocks`` makes dW afterwards.
+    Returns (dx or None, dW or None)."""
+    by_blocks = want_dw and config.weight_grad == "recompute"
+    chunk_size = config.chunk_rows(x2d.shape[0], head_trainable)
     dx = torch.empty_like(x2d) if want_dx else None
     dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_dw and not by_blocks else None
     lse = torch.empty(x2d.shape[0], dtype=torch.float32, device=x2d.device) if by_blocks else None
@@ -278,7 +361,7 @@ def _chunked_pass(x2d, weight, target, scale, loss_rows, ignore_index, chunk_siz
     w = weight.to(x2d.dtype)
     for rows in _chunks(x2d.shape[0], chunk_size):
         logits = x2d[rows] @ w.t()  # [C, V]: the only logits that exist at a time (see the del below)
-        _ce_rows(logits, target[rows], scale[rows], loss_rows[rows], ignore_index, compute_grad=grads,
+        _ce_rows(logits, target[rows], scale[rows], loss_rows[rows], ignore_index, compute_grad=grads, config=config,
                  lse=None if lse is None else lse[rows])
         if dx is not None:
             torch.mm(logits, w, out=dx[rows])
@@ -288,78 +371,129 @@ def _chunked_pass(x2d, weight, target, scale, loss_rows, ignore_index, chunk_siz
         # only after that output is allocated, so two chunks of logits would peak together.
         del logits
     if by_blocks:
-        return dx, _weight_grad_by_vocab_blocks(x2d, w, target, scale, lse, ignore_index, weight.dtype)
+        return dx, _weight_grad_by_vocab_blocks(x2d, w, target, scale, lse, ignore_index, weight.dtype, config)
     return dx, (None if dw is None else dw.to(weight.dtype))
 
 
+def _keep_graph() -> bool:
+    """Whether the running backward keeps the graph (``retain_graph=True``, ``create_graph=True``):
+    then this node may run again and must leave what it saved untouched. Where torch does not
+    say, assume it may."""
+    return getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)()
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
+    """For "mean" and "sum" the forward makes the gradients for an upstream gradient of 1 and the
+    backward scales them by the real one, a scalar. In place, when the backward frees the graph
+    (the common ``loss.backward()``): then the saved gradients are returned as they are and
+    become ``.grad`` without a copy. When the graph is kept (``retain_graph=True``, or
+    ``autograd.grad`` twice), the saved gradients must survive for the next backward, so the
+    scaled ones are new tensors: that backward holds one more ``[T, H]`` in the compute dtype
+    (dx) and one more ``[V, H]`` in the head's dtype (dW, when the head is trained) than the
+    in-place case — at T = 16k, H = 4096, V = 248,320 in bf16, 128 MiB and 1.94 GiB.
+    """
+
     @staticmethod
-    def forward(ctx, x2d, weight, target, ignore_index: int, reduction: str, chunk_size: int, weight_grad: str):
+    def forward(ctx, x2d, weight, target, ignore_index: int, reduction: str, config: LaunchConfig,
+                loss_shape: tuple[int, ...]):
         n_rows = x2d.shape[0]
         needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         valid = target != ignore_index
         n_valid = valid.sum()
-        loss_rows = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
+        # "none": the loss is allocated in its final shape (no view made here: editable in place)
+        loss = torch.empty(loss_shape if reduction == "none" else (n_rows,), dtype=torch.float32, device=x2d.device)
+        loss_rows = loss.view(n_rows)
         grads_now = reduction != "none" and (needs_dx or needs_dw)
-        if reduction == "mean":  # an all-ignored batch: weight 0, loss 0, gradients 0 (never NaN)
+        if reduction == "mean":  # no counted token: weight 0, gradients 0, as cross_entropy's
             scale = valid.float() / n_valid.clamp_min(1)
         else:
             scale = valid.float()
-        dx, dw = _chunked_pass(x2d, weight, target, scale, loss_rows, ignore_index, chunk_size,
-                               grads_now and needs_dx, grads_now and needs_dw, weight_grad)
-        ctx.reduction, ctx.ignore_index, ctx.chunk_size, ctx.grads_now = reduction, ignore_index, chunk_size, grads_now
-        ctx.weight_grad = weight_grad
+        dx, dw = _chunked_pass(x2d, weight, target, scale, loss_rows, ignore_index,
+                               grads_now and needs_dx, grads_now and needs_dw, config, needs_dw)
+        ctx.reduction, ctx.ignore_index, ctx.config, ctx.grads_now = reduction, ignore_index, config, grads_now
         if grads_now:
             ctx.save_for_backward(dx, dw)
         else:
             ctx.save_for_backward(x2d, weight, target)
         if reduction == "none":
-            return loss_rows
+            return loss
         total = loss_rows.sum()
-        return total / n_valid.clamp_min(1) if reduction == "mean" else total
+        # cross_entropy's mean over no counted token is 0/0 = NaN; so is this one
+        return total / n_valid if reduction == "mean" else total
 
     @staticmethod
     def backward(ctx, grad_loss):
         if ctx.grads_now:
             dx, dw = ctx.saved_tensors
-            # the upstream gradient is a scalar (1, or 1/accumulation steps): scale in place
+            # the upstream gradient is a scalar (1, or 1/accumulation steps); see the class docstring
+            keep = _keep_graph()
             if dx is not None:
-                dx.mul_(grad_loss.to(dx.dtype))
+                dx = dx * grad_loss.to(dx.dtype) if keep else dx.mul_(grad_loss.to(dx.dtype))
             if dw is not None:
-                dw.mul_(grad_loss.to(dw.dtype))
+                dw = dw * grad_loss.to(dw.dtype) if keep else dw.mul_(grad_loss.to(dw.dtype))
             return dx, dw, None, None, None, None, None
         x2d, weight, target = ctx.saved_tensors  # reduction="none": per-token upstream weights
         # the logits and their statistics are recomputed; the losses go to a scratch buffer
         scratch = torch.empty(x2d.shape[0], dtype=torch.float32, device=x2d.device)
-        dx, dw = _chunked_pass(x2d, weight, target, grad_loss.to(torch.float32).contiguous(), scratch,
-                               ctx.ignore_index, ctx.chunk_size, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
-                               ctx.weight_grad)
+        dx, dw = _chunked_pass(x2d, weight, target, grad_loss.reshape(-1).to(torch.float32).contiguous(), scratch,
+                               ctx.ignore_index, ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.config,
+                               ctx.needs_input_grad[1])
         return dx, dw, None, None, None, None, None
 
 
+def _checks_on_host(device: torch.device) -> bool:
+    """Whether a value check may read its verdict on the host: on the CPU it is there already;
+    on a GPU reading it waits for everything queued before it (a sync every step)."""
+    return device.type == "cpu"
+
+
+def _check_target(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Class indices must be in ``[0, vocab)`` or ``ignore_index``.
+
+    On the CPU a bad one raises ``ValueError`` at once. Elsewhere the check is queued on the
+    device (``torch._assert_async``), with no host sync: a bad target then fails at the next
+    synchronisation as a device-side assertion carrying the same message (and, like any device
+    assertion, leaves the CUDA context unusable: the step was wrong anyway).
+    """
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
+    message = f"target: class indices must be in [0, {vocab}) or ignore_index={ignore_index}"
+    if not _checks_on_host(target.device):
+        torch._assert_async(~bad.any(), message)
+    elif bool(bad.any()):
+        raise ValueError(f"{message}, got {target[bad][0].item()}")
+
+
+@opaque_to_compile
 def linear_cross_entropy(input, linear_weight, target, *, ignore_index: int = -100, reduction: str = "mean",
-                         chunk_size: int | None = None, weight_grad: str = "auto"):
+                         chunk_size: int | None = None, weight_grad: str = "auto", config: LaunchConfig | None = None):
     """``cross_entropy(linear(input, linear_weight), target)`` without materialising the logits.
 
     Mirrors ``torch.nn.functional.linear_cross_entropy`` (PyTorch ≥ 2.13): ``input`` [..., H],
-    ``linear_weight`` [V, H], ``target`` [...] (int64 class indices). Log-sum-exp and softmax in
-    fp32; gradients for ``input`` and ``linear_weight`` (skipped when it does not require grad,
-    the usual LoRA case). ``chunk_size`` (rows of logits held at once) defaults to what
-    ``CHUNK_BYTES`` allows. A batch whose targets are all ignored gives loss 0 and zero gradients.
+    ``linear_weight`` [V, H], ``target`` [...] (int64 or int32 class indices). Log-sum-exp and
+    softmax in fp32; gradients for ``input`` and ``linear_weight`` (skipped when it does not
+    require grad, the usual LoRA case). ``config`` (how it is launched) defaults to
+    ``launch_config(V, H, dtype)``; ``chunk_size`` (rows of logits held at once) and
+    ``weight_grad`` override its fields of those names. Where no target is counted (no tokens,
+    or all ignored) the result is what ``cross_entropy`` gives: "mean" NaN, "sum" 0, and zero
+    gradients.
 
     ``weight_grad`` picks how a trainable head's gradient is made: ``"accumulate"`` adds each
     chunk's share into an fp32 ``[V, H]`` buffer (three logits-sized matmuls; the buffer is twice
     the gradient's size), ``"recompute"`` makes it block by block of the vocabulary in a second
-    pass (four matmuls; no buffer beyond the gradient itself), ``"auto"`` the one tuned for this
-    GPU, else ``"accumulate"``. "recompute" normalises the second pass's logits with the first
-    pass's log-sum-exp; the two passes' GEMMs differ in shape and may round a logit differently
-    in its last bit, so its dW carries an error of about one ulp of the largest logit, relative:
-    below the rounding of bf16 logits, above fp32's for logits in the hundreds.
+    pass (four matmuls; no buffer beyond the gradient itself), ``"auto"`` the configuration's
+    (tuned for this GPU, else ``"accumulate"``). "recompute" normalises the second pass's logits
+    with the first pass's log-sum-exp; the two passes' GEMMs differ in shape and may round a
+    logit differently in its last bit, so its dW carries an error of about one ulp of the
+    largest logit, relative: below the rounding of bf16 logits, above fp32's for logits in the
+    hundreds.
+
+    Out-of-range targets raise ``ValueError`` on the CPU; on a GPU they are checked without a
+    host sync, as a device-side assertion (see ``_check_target``).
     """
     check_float_tensor("input", input)
     check_float_tensor("linear_weight", linear_weight)
     if not isinstance(target, torch.Tensor) or target.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"target: expected an int64 tensor of class indices, got "
+        raise TypeError(f"target: expected an int64 or int32 tensor of class indices, got "
                         f"{getattr(target, 'dtype', type(target).__name__)}")
     if input.dim() == 0 or linear_weight.dim() != 2 or linear_weight.shape[1] != input.shape[-1]:
         raise ValueError(f"linear_weight: expected [vocab, {input.shape[-1] if input.dim() else '?'}] "
@@ -370,23 +504,23 @@ def linear_cross_entropy(input, linear_weight, target, *, ignore_index: int = -1
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
     check_same_device(input=input, linear_weight=linear_weight, target=target)
-    vocab = linear_weight.shape[0]
-    flat_target = target.reshape(-1).to(torch.int64)
-    bad = (flat_target != ignore_index) & ((flat_target < 0) | (flat_target >= vocab))
-    if bool(bad.any()):
-        raise ValueError(f"target: class indices must be in [0, {vocab}) or ignore_index={ignore_index}, "
-                         f"got {flat_target[bad][0].item()}")
+    vocab, hidden = linear_weight.shape
+    flat_target = target.reshape(-1).to(torch.int64).contiguous()
+    _check_target(flat_target, vocab, ignore_index)
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
     if weight_grad not in WEIGHT_GRADS:
         raise ValueError(f"weight_grad: expected one of {WEIGHT_GRADS}, got {weight_grad!r}")
+    if config is not None and not isinstance(config, LaunchConfig):
+        raise TypeError(f"config: expected a linear_cross_entropy LaunchConfig, got {type(config).__name__}")
     dtype = _compute_dtype(input)
-    x2d = input.reshape(-1, input.shape[-1]).to(dtype).contiguous()
-    chunk = chunk_size or default_chunk_size(x2d.shape[0], vocab, dtype, x2d.shape[1], linear_weight.requires_grad)
-    if weight_grad == "auto":
-        tuned = tuned_fields("linear_cross_entropy", f"{vocab}x{x2d.shape[1]}") or {}
-        weight_grad = tuned.get("weight_grad", "accumulate")
+    # the row count is given, not inferred: reshape(-1, 0) cannot infer it when H = 0
+    x2d = input.reshape(math.prod(input.shape[:-1]), hidden).to(dtype).contiguous()
+    config = launch_config(vocab, hidden, dtype) if config is None else config
+    if chunk_size is not None:
+        config = dataclasses.replace(config, chunk_rows_trainable=chunk_size, chunk_rows_frozen=chunk_size)
+    if weight_grad != "auto":
+        config = dataclasses.replace(config, weight_grad=weight_grad)
     with torch.autocast(device_type=input.device.type, enabled=False):
-        loss = LinearCrossEntropyFunction.apply(x2d, linear_weight, flat_target.contiguous(), int(ignore_index),
-                                                reduction, int(chunk), weight_grad)
-    return loss.reshape(target.shape) if reduction == "none" else loss
+        return LinearCrossEntropyFunction.apply(x2d, linear_weight, flat_target, int(ignore_index), reduction,
+                                                config, tuple(target.shape))
