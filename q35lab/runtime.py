@@ -11,7 +11,9 @@ The rule:
 * otherwise the interpreter is chosen exactly when no CUDA device is visible.
 
 On a GPU the interpreter is never chosen unless asked for. When it is chosen automatically,
-one short notice says so.
+one short notice says so (``python -m q35lab`` prints it itself, as a plain line, for the
+commands that run kernels). Refusing the interpreter where no CUDA device is visible is an
+error at import (``InterpreterRefusedError``), not a failure deep inside Triton later.
 """
 
 from __future__ import annotations
@@ -22,11 +24,20 @@ import warnings
 
 import torch
 
-__all__ = ["INTERPRET", "DEVICE", "device", "smoke", "Q35labNotice"]
+__all__ = ["INTERPRET", "DEVICE", "device", "smoke", "interpreter_notice", "Q35labNotice", "InterpreterRefusedError"]
 
 
 class Q35labNotice(UserWarning):
     """An informational notice from q35lab (filter it with ``warnings.simplefilter``)."""
+
+
+class InterpreterRefusedError(RuntimeError):
+    """The interpreter was refused on a machine where compiled Triton cannot run (no CUDA device)."""
+
+
+#: Said once when the interpreter is chosen automatically (a forced choice needs no notice).
+NOTICE = ("q35lab: no CUDA device, so Triton kernels run through the Triton interpreter "
+          "(correct, not fast; set Q35LAB_INTERPRET=1 to choose it without this notice).")
 
 
 def _env_flag(name: str) -> bool | None:
@@ -51,19 +62,41 @@ def _choose_interpreter() -> tuple[bool, str]:
     return not torch.cuda.is_available(), "auto"
 
 
+def _refuse_without_cuda(reason: str) -> None:
+    """Compiled Triton needs a CUDA device: without one, Triton fails only at the first kernel
+    launch, deep inside ("0 active drivers"). Say so at import, with what to do instead."""
+    if torch.cuda.is_available():
+        return
+    raise InterpreterRefusedError(
+        f"{reason}=0 refuses the Triton interpreter, but no CUDA device is visible, so q35lab's "
+        f"Triton kernels cannot run here. Unset {reason} (or set Q35LAB_INTERPRET=1) to run them "
+        "through the interpreter on the CPU, or use a machine with a CUDA GPU."
+    )
+
+
+def _cli_prints_the_notice() -> bool:
+    """True while ``python -m q35lab`` imports this package (``sys.argv[0]`` is "-m" while runpy
+    locates the module): its command line prints the notice as a plain line, and only for the
+    commands that run kernels, not as a warning with a source line (in ``--help`` too)."""
+    return sys.argv[:1] == ["-m"] and "q35lab" in getattr(sys, "orig_argv", ())
+
+
 INTERPRET, _REASON = _choose_interpreter()
 if INTERPRET:
     # Must happen before any @triton.jit in q35lab.ops runs.
     os.environ["TRITON_INTERPRET"] = "1"
-    if _REASON == "auto":
-        warnings.warn(
-            "q35lab: no CUDA device, so Triton kernels run through the Triton interpreter "
-            "(correct, not fast; set Q35LAB_INTERPRET=0 to refuse).",
-            Q35labNotice,
-            stacklevel=2,
-        )
-elif _REASON == "Q35LAB_INTERPRET":
-    os.environ.pop("TRITON_INTERPRET", None)
+    if _REASON == "auto" and not _cli_prints_the_notice():
+        warnings.warn(NOTICE, Q35labNotice, stacklevel=2)
+else:
+    _refuse_without_cuda(_REASON)
+    if _REASON == "Q35LAB_INTERPRET":
+        os.environ.pop("TRITON_INTERPRET", None)
+
+
+def interpreter_notice() -> str:
+    """The notice when the interpreter was chosen automatically, else an empty string."""
+    return NOTICE if INTERPRET and _REASON == "auto" else ""
+
 
 def _round_bf16_to_nearest_in_interpreter() -> None:
     """Make the interpreter round fp32 → bf16 to nearest-even, as the GPU's ``cvt.rn`` does.

@@ -37,10 +37,34 @@ def test_forcing_the_interpreter_is_silent():
     assert interpret == "True" and kernel_type == "InterpretedFunction" and notices == "0"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton needs a CUDA device")
 def test_refusing_the_interpreter():
     interpret, kernel_type, env_value, notices = _probe(Q35LAB_INTERPRET="0", TRITON_INTERPRET="1")
     assert interpret == "False" and kernel_type == "JITFunction" and env_value == "None"
     assert notices == "0"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+@pytest.mark.parametrize("variable", ["Q35LAB_INTERPRET", "TRITON_INTERPRET"])
+def test_refusing_the_interpreter_without_cuda_fails_at_import_saying_what_to_do(variable):
+    """Not an import that works and a kernel that fails deep inside Triton ("0 active drivers")."""
+    env = {k: v for k, v in os.environ.items() if k not in ("Q35LAB_INTERPRET", "TRITON_INTERPRET")}
+    script = ("try:\n    import q35lab\nexcept RuntimeError as exc:\n"
+              "    print(type(exc).__name__)\n    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", script], env={**env, variable: "0"}, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    name, message = out.stdout.split("\n", 1)
+    assert name == "InterpreterRefusedError"
+    assert f"{variable}=0 refuses the Triton interpreter, but no CUDA device is visible" in message
+    assert f"Unset {variable}" in message and "Q35LAB_INTERPRET=1" in message and "CUDA GPU" in message
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU default")
+def test_the_command_line_prints_the_notice_itself():
+    """``python -m q35lab --help`` shows no notice; as a library, one notice is a warning (above)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("Q35LAB_INTERPRET", "TRITON_INTERPRET")}
+    out = subprocess.run([sys.executable, "-m", "q35lab", "--help"], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stderr == ""
 
 
 def test_bad_flag_value_is_named():
