@@ -212,3 +212,38 @@ def test_ablation_waterfall_steps_from_the_baseline_to_the_full_variant():
     assert bars[4].get_height() == pytest.approx(40) and bars[4].get_y() == pytest.approx(600)
     assert plots.ablation_waterfall(at.drop(index="peft")) is None
     assert plots.ablation_waterfall(at.loc[["peft", "q35lab"]]) is None
+
+
+def _wrong_loss(kind):
+    """A q35lab loss that is wrong in its value only, or in its gradient only (by half of dx:
+    within the absolute atol of bf16, which a gradient of ~1e-2 entries would not notice)."""
+    from q35lab.ops.linear_cross_entropy import linear_cross_entropy_ref
+
+    def loss(x, w, t, **_):
+        ref = linear_cross_entropy_ref(x, w, t)
+        if kind == "value":
+            return ref + 0.01
+        return ref + 0.5 * (ref - ref.detach())  # same value, 1.5 × the gradient
+
+    return loss
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_cross_entropy_check_has_real_bounds(dtype):
+    from q35lab.bench import linear_cross_entropy as lce
+
+    rows = lce.check(5, torch.device("cpu"), dtype)
+    assert [(r["impl"], r["tensor"]) for r in rows] == [("q35lab", "loss"), ("q35lab", "dx")]
+    for r in rows:  # below 1e-2: the loss is ~7, dx's entries ~1e-2 (bf16's absolute atol alone)
+        assert 0 < r["bound"] < 1e-2 and r["kernel_err"] <= r["bound"] and r["ok"] is True
+        assert math.isfinite(r["rel_err"]) and r["reference"] == "fp64"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("wrong, failing", [("value", {"loss"}), ("gradient", {"dx"})])
+def test_linear_cross_entropy_check_fails_a_wrong_result(monkeypatch, dtype, wrong, failing):
+    from q35lab.bench import linear_cross_entropy as lce
+
+    monkeypatch.setattr(lce, "linear_cross_entropy", _wrong_loss(wrong))
+    rows = lce.check(5, torch.device("cpu"), dtype)
+    assert {r["tensor"] for r in rows if not r["ok"]} == failing
