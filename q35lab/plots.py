@@ -15,7 +15,8 @@ if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.b
 
 import matplotlib.pyplot as plt  # noqa: E402
 
-__all__ = ["COLORS", "color_of", "plot_bandwidth", "plot_memory", "op_figure", "render"]
+__all__ = ["COLORS", "color_of", "plot_bandwidth", "plot_time", "plot_memory", "op_figure", "ablation_waterfall",
+           "figure_name", "render"]
 
 COLORS = {
     "transformers": "#7f7f7f",
@@ -172,9 +173,9 @@ def figure_name(op: str, variant: str, gpu_slug: str) -> str:
 
 def render(data: Path | None = None, ops=None) -> list[Path]:
     """Redraw data/figures/ from every committed CSV, one figure per variant; returns the files."""
-    from .bench import DATA, core, discover
+    from .bench import core, data_dir, discover
 
-    data = DATA if data is None else Path(data)
+    data = data_dir(data)
     benches = discover()
     written = []
     for csv_path in sorted((data / "bench").glob("*/*.csv")):

@@ -2,14 +2,12 @@
 
 Source: the defaults of ``transformers.Qwen3_5TextConfig`` (transformers 5.17 – 5.24), which
 describe the 9B-class dense model: hidden 4096, 32 GatedDeltaNet value heads and 16 key heads of
-width 128, attention head_dim 256, vocabulary 248,320. The 27B model is 5120 wide.
+width 128, vocabulary 248,320.
 """
 
 from __future__ import annotations
 
 HIDDEN = 4096  # Qwen3_5TextConfig.hidden_size
-HIDDEN_27B = 5120  # Qwen3.5-27B hidden_size (a width that is not a power of two)
-HEAD_DIM = 256  # attention q_norm / k_norm width
 GDN_VALUE_HEADS = 32  # linear_num_value_heads: rows of the gated norm per token
 GDN_KEY_HEADS = 16  # linear_num_key_heads
 GDN_HEAD_DIM = 128  # linear_value_head_dim: width of the gated norm

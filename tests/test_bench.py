@@ -1,8 +1,13 @@
 """The harness on a CPU: bytes models, the CSV schema, figures rendered to PNG, the CLI."""
 
+import ast
+import inspect
 import math
+import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -247,3 +252,71 @@ def test_linear_cross_entropy_check_fails_a_wrong_result(monkeypatch, dtype, wro
     monkeypatch.setattr(lce, "linear_cross_entropy", _wrong_loss(wrong))
     rows = lce.check(5, torch.device("cpu"), dtype)
     assert {r["tensor"] for r in rows if not r["ok"]} == failing
+
+
+def test_data_folder_is_the_argument_then_the_environment_then_the_checkout(monkeypatch, tmp_path):
+    monkeypatch.delenv("Q35LAB_DATA", raising=False)
+    checkout = Path(bench.__file__).resolve().parents[2]
+    assert bench.data_dir() == checkout / "data" and (checkout / "pyproject.toml").is_file()
+    monkeypatch.setenv("Q35LAB_DATA", str(tmp_path / "env"))
+    assert bench.data_dir() == tmp_path / "env"
+    assert bench.data_dir(tmp_path / "given") == tmp_path / "given"
+
+
+def test_an_installed_package_uses_the_current_folder_not_site_packages(tmp_path):
+    """A copy of the package with no pyproject.toml beside it, as in site-packages."""
+    site = tmp_path / "site-packages"
+    shutil.copytree(Path(bench.__file__).resolve().parents[1], site / "q35lab",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "Q35LAB_DATA"}
+    env["PYTHONPATH"] = str(site)
+    script = "import q35lab.bench as b; print(b.__file__); print(b.data_dir()); print(b.DATA)"
+    out = subprocess.run([sys.executable, "-c", script], cwd=work, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    module, found, default = out.stdout.splitlines()
+    assert module.startswith(str(site)) and found == default == str(work / "data")
+
+
+def test_plots_exports_every_public_function():
+    defined = {name for name, f in inspect.getmembers(plots, inspect.isfunction)
+               if f.__module__ == plots.__name__ and not name.startswith("_")}
+    assert defined <= set(plots.__all__), sorted(defined - set(plots.__all__))
+    assert all(hasattr(plots, name) for name in plots.__all__)
+
+
+def _root_imports(path: Path) -> list[str]:
+    """``import q35lab`` / ``from .. import X`` in a file of q35lab/bench where X is no submodule:
+    the package's front door (it imports the patch and every op)."""
+    package = path.parents[1]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name == "q35lab"]
+        elif isinstance(node, ast.ImportFrom) and (node.level == 2 and not node.module or node.module == "q35lab"):
+            found += [a.name for a in node.names
+                      if not (package / f"{a.name}.py").is_file() and not (package / a.name).is_dir()]
+    return found
+
+
+def test_the_harness_imports_submodules_not_the_package_front_door():
+    files = sorted(Path(bench.__file__).parent.glob("*.py"))
+    assert len(files) >= 5
+    assert {f.name: _root_imports(f) for f in files if _root_imports(f)} == {}
+
+
+def test_version_comes_from_metadata_or_the_checkout(monkeypatch, tmp_path):
+    import importlib.metadata
+
+    assert core.q35lab_version() == importlib.metadata.version("q35lab")
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    checkout = Path(core.__file__).resolve().parents[2] / "pyproject.toml"
+    assert core.q35lab_version() == core._checkout_version(checkout) != "unknown"
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "q35lab"\nversion = "9.8.7"\n')
+    assert core._checkout_version(tmp_path / "pyproject.toml") == "9.8.7"
+    assert core._checkout_version(tmp_path / "missing.toml") == "unknown"

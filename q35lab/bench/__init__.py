@@ -10,6 +10,7 @@ import csv
 import importlib
 import importlib.util
 import math
+import os
 import pkgutil
 from pathlib import Path
 
@@ -19,10 +20,26 @@ from .. import runtime
 from . import core
 from .spec import NotApplicable, OpBench
 
-__all__ = ["discover", "run", "check", "DATA"]
+__all__ = ["discover", "run", "check", "data_dir", "DATA"]
 
-#: data/ at the root of the checkout: data/bench/<gpu>/<op>.csv, data/figures/.
-DATA = Path(__file__).resolve().parents[2] / "data"
+
+def data_dir(folder: str | os.PathLike | None = None) -> Path:
+    """The results folder (``bench/<gpu>/<op>.csv``, ``figures/``): ``folder`` when given, else
+    ``$Q35LAB_DATA``, else the checkout's ``data/`` when q35lab runs from a source checkout
+    (pyproject.toml beside the package), else ``./data``: an installed package must not write
+    into site-packages."""
+    if folder is not None:
+        return Path(folder)
+    if os.environ.get("Q35LAB_DATA"):
+        return Path(os.environ["Q35LAB_DATA"])
+    root = Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").is_file():
+        return root / "data"
+    return Path.cwd() / "data"
+
+
+#: The default results folder, as ``data_dir()`` found it when this module was imported.
+DATA = data_dir()
 
 
 def discover() -> dict[str, OpBench]:
@@ -137,7 +154,7 @@ def run(ops=None, *, quick: bool = False, sizes: list[int] | None = None, out: P
     from tqdm.auto import tqdm
 
     _configure_compile()
-    out = DATA if out is None else Path(out)
+    out = data_dir(out)
     info = core.run_info()
     ceilings = core.measure_ceilings()
     print(f"{info['gpu']}: copy {ceilings.copy_gbps:.0f} GB/s, bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s")

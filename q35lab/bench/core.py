@@ -19,17 +19,18 @@ from __future__ import annotations
 
 import csv
 import datetime as _dt
+import importlib.metadata
 import math
 import os
+import re
 import statistics
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from .. import __version__
 from ..ops._tuned import gpu_slug as _slug
 
 #: One schema for every op's CSV; one row per (op, impl, pass, T, variant).
@@ -70,9 +71,28 @@ def _git_commit() -> str:
         commit = out.stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
                                capture_output=True, text=True, timeout=5).stdout.strip()
-        return (commit + ("+dirty" if dirty else "")) if commit else os.environ.get("Q35LAB_COMMIT", "unknown")
+        return (commit + ("+dirty" if dirty else "")) if commit else "unknown"
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("Q35LAB_COMMIT", "unknown")
+        return "unknown"
+
+
+def q35lab_version() -> str:
+    """The installed distribution's version; a source checkout used without installing has no
+    metadata, so its pyproject.toml is read. (Not ``q35lab.__version__``: the harness must not
+    import the package's front door, which imports the patch and every op.)"""
+    try:
+        return importlib.metadata.version("q35lab")
+    except importlib.metadata.PackageNotFoundError:
+        return _checkout_version(Path(__file__).resolve().parents[2] / "pyproject.toml")
+
+
+def _checkout_version(pyproject: Path) -> str:
+    """``version = "..."`` of a pyproject.toml (the first one: [project]'s), else "unknown"."""
+    try:
+        found = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(), re.MULTILINE)
+    except OSError:
+        return "unknown"
+    return found.group(1) if found else "unknown"
 
 
 def run_info() -> dict[str, str]:
@@ -83,7 +103,7 @@ def run_info() -> dict[str, str]:
         "gpu": gpu_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "q35lab": __version__,
+        "q35lab": q35lab_version(),
         "commit": _git_commit(),
         "date": _dt.date.today().isoformat(),
     }
@@ -136,14 +156,6 @@ class Timing:
     note: str = ""
 
 
-def _device_time_us(event) -> float:
-    for name in ("device_time", "cuda_time"):  # renamed in PyTorch 2.4
-        value = getattr(event, name, None)
-        if value is not None:
-            return float(value)
-    return 0.0
-
-
 def kernel_ms(calls: list[Callable[[], object]]) -> float:
     """Summed device time of all kernels launched by ``calls`` (run once each), per call.
 
@@ -159,7 +171,7 @@ def kernel_ms(calls: list[Callable[[], object]]) -> float:
             for call in calls:
                 call()
             torch.cuda.synchronize()
-        total_us = sum(_device_time_us(e) for e in prof.events() if e.device_type == DeviceType.CUDA)
+        total_us = sum(float(e.device_time) for e in prof.events() if e.device_type == DeviceType.CUDA)
         if total_us > 0:
             break
     return total_us / 1e3 / len(calls)
@@ -237,7 +249,6 @@ class Case:
     variant: str = ""
     dtype: str = "bfloat16"
     bytes: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 def make_row(case: Case, timing: Timing, ceilings: Ceilings | None, info: dict[str, str]) -> dict:

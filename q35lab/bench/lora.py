@@ -82,9 +82,9 @@ def _setup(kind: str):
             if kind == "peft_no_cast":
                 layer.cast_input_dtype_enabled = False
             if kind == "q35lab":
-                import q35lab
+                from ..patch import apply_to_qwen3_5  # what a user runs: PEFT's layer routed by the patch
 
-                q35lab.apply_to_qwen3_5(model)
+                apply_to_qwen3_5(model)
             if kind == "axolotl":
                 from axolotl.kernels.lora import apply_lora_linear
 
