@@ -1,15 +1,20 @@
-"""Command line: ``python -m q35lab {bench,check,plots}``.
+"""Command line: python -m q35lab {bench,check,plots}.
 
-* ``bench [OPS...] [--quick]``: on a GPU, sweep the ops against their peers and write
-  ``data/bench/<gpu>/<op>.csv``, the numerics at real sizes and the figures. Without a GPU, run
-  the smoke correctness checks through the Triton interpreter instead (speed needs a GPU).
-* ``check [OPS...]``: the numerics rule only (real sizes on a GPU, tiny ones on a CPU).
-* ``plots``: redraw ``data/figures/`` from the committed CSVs.
+  bench [OPS...] [--quick]  on a GPU, sweep the ops against their peers and write
+                            data/bench/<gpu>/<op>.csv, the numerics at real sizes and the figures;
+                            without a GPU, run the smoke correctness checks through the Triton
+                            interpreter instead (speed needs a GPU)
+  check [OPS...]            the numerics rule only (real sizes on a GPU, tiny ones on a CPU)
+  plots [--data FOLDER]     redraw data/figures/ from the committed CSVs
+
+The results folder is --out / --data when given, else $Q35LAB_DATA, else the checkout's data/
+(or ./data when q35lab is installed rather than run from a checkout).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -17,17 +22,47 @@ from pathlib import Path
 def _numerics_table(rows) -> None:
     for r in rows:
         extra = ""
-        if "frac_differ" in r and r["frac_differ"] == r["frac_differ"]:  # not NaN: an agreement row
-            extra = (f"  vs {r.get('vs', 'transformers')}: {100 * r['frac_differ']:.3f}% differ, "
+        if _number(r.get("frac_differ")):  # an agreement row
+            extra = (f"  vs {r.get('vs') or 'transformers'}: {100 * r['frac_differ']:.3f}% differ, "
                      f"max {r['max_ulp']} ulp, rel {r['rel_err']:.1e}")
-        elif "rel_err" in r:
-            extra = f"  relative error against fp32: {r['rel_err']:.1e}"
-        print(f"{r['op']:<18} {r.get('impl', ''):<7} T={r['T']:<7} {r['dtype']:<9} {r['tensor']:<3} err {r['kernel_err']:.2e} "
-              f"<= {r['bound']:.2e} {'ok' if r['ok'] else 'FAIL'}{extra}")
+        elif _number(r.get("rel_err")):
+            extra = f"  relative error against {r.get('reference', 'fp64')}: {r['rel_err']:.1e}"
+        print(f"{r['op']:<20} {r.get('impl', ''):<14} T={r['T']:<7} {r['dtype']:<9} {r['tensor']:<4} "
+              f"err {r['kernel_err']:.2e} <= {r['bound']:.2e} {'ok' if r['ok'] else 'FAIL'}{extra}")
+
+
+def _number(value) -> bool:
+    """A real number (rows of different ops carry different columns; NaN marks a missing one)."""
+    return isinstance(value, (int, float)) and not math.isnan(value)
+
+
+def _label(row: dict) -> str:
+    return f"{row['op']} {row.get('impl', '')} {row['tensor']} ({row['dtype']}, T={row['T']})"
+
+
+def verdict(rows: list[dict]) -> tuple[str, bool]:
+    """The closing line of a check and whether it passed. Only q35lab's own rows decide: a peer
+    outside the bound is a finding about the peer, reported on the same line."""
+    mine = [str(r.get("impl", "q35lab")).startswith("q35lab") for r in rows]
+    ours = [r for r, m in zip(rows, mine) if m]
+    peers = [r for r, m in zip(rows, mine) if not m]
+    failed = [r for r in ours if not r["ok"]]
+    if not ours:
+        line = "no checks of q35lab ran"
+    elif failed:
+        line = f"{len(failed)} of {len(ours)} checks failed: " + "; ".join(map(_label, failed))
+    else:
+        line = f"all {len(ours)} checks passed"
+    outside = [r for r in peers if not r["ok"]]
+    if peers:
+        line += f" (peers: {len(peers) - len(outside)} of {len(peers)} within the bound"
+        line += (": outside " + "; ".join(map(_label, outside)) + ")") if outside else ")"
+    return line, bool(ours) and not failed
 
 
 def _check_and_record(ops, out) -> bool:
-    """The numerics rule; on a GPU the rows are also written to data/bench/<gpu>/<op>_numerics.csv."""
+    """The numerics rule; on a GPU the rows are also written to data/bench/<gpu>/<op>_numerics.csv.
+    Ends with the verdict line; returns whether it passed."""
     from . import bench as harness
     from . import runtime
     from .bench import core
@@ -38,51 +73,109 @@ def _check_and_record(ops, out) -> bool:
         _numerics_table(op_rows)
         rows += op_rows
     if not runtime.smoke():
-        data = harness.DATA if out is None else Path(out)
+        data = harness.data_dir(out)
         for op in dict.fromkeys(r["op"] for r in rows):
             path = data / "bench" / core.gpu_slug() / f"{op}_numerics.csv"
             core.write_numerics_csv([r for r in rows if r["op"] == op], path)
-    return all(r["ok"] for r in rows)
+    line, passed = verdict(rows)
+    print(line)
+    return passed
+
+
+def _op_name(known: list[str]):
+    """An argparse type: an op this harness knows (a usage error, exit code 2, otherwise)."""
+
+    def parse(text: str) -> str:
+        if text not in known:
+            raise argparse.ArgumentTypeError(f"unknown op {text!r}; known ops: {', '.join(known)}")
+        return text
+
+    return parse
+
+
+def _folder(text: str) -> Path:
+    """An argparse type: a folder that exists (a results folder to read)."""
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"no such folder: {text}")
+    return path
+
+
+def _parser(known: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m q35lab", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=f"ops: {', '.join(known)}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,check,plots}")
+    ops_help = f"ops to run (default: all): {', '.join(known)}"
+    bench = sub.add_parser("bench", help="sweep ops against peers (GPU) or smoke-check them (CPU)",
+                           description="Sweep ops against their peers on a GPU; without one, run the "
+                                       "smoke correctness checks through the Triton interpreter.")
+    bench.add_argument("ops", nargs="*", type=_op_name(known), metavar="OP", help=ops_help)
+    bench.add_argument("--quick", action="store_true", help="only the sizes the goals are stated at")
+    bench.add_argument("--out", type=Path, default=None,
+                       help="results folder (default: $Q35LAB_DATA, else the checkout's data/, else ./data)")
+    bench.add_argument("--T", type=int, nargs="+", default=None,
+                       help="only these sizes; the CSV keeps its rows at other sizes (finishing a cut-short sweep)")
+    check = sub.add_parser("check", help="numerics rule for forward and every gradient",
+                           description="The numerics rule for the forward and every gradient; "
+                                       "exits 1 when a check of q35lab fails.")
+    check.add_argument("ops", nargs="*", type=_op_name(known), metavar="OP", help=ops_help)
+    plots = sub.add_parser("plots", help="redraw data/figures from the committed CSVs",
+                           description="Redraw <data>/figures from the CSVs under <data>/bench.")
+    plots.add_argument("--data", type=_folder, default=None,
+                       help="results folder to read (default: $Q35LAB_DATA, else the checkout's data/, else ./data)")
+    return parser
+
+
+def _plots(parser: argparse.ArgumentParser, data: Path | None) -> int:
+    from . import bench as harness
+    from . import plots as figures
+
+    data = harness.data_dir(data)
+    if not data.is_dir():
+        parser.error(f"no results folder {data} (give one with plots --data)")
+    written = figures.render(data)
+    for path in written:
+        print(path)
+    if not written:
+        print(f"no results to draw: no <gpu>/<op>.csv of a known op under {data / 'bench'}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m q35lab", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser("bench", help="sweep ops against peers (GPU) or smoke-check them (CPU)")
-    bench.add_argument("ops", nargs="*", help="ops to run (default: all)")
-    bench.add_argument("--quick", action="store_true", help="only the sizes the goals are stated at")
-    bench.add_argument("--out", type=Path, default=None, help="data folder (default: the checkout's data/)")
-    bench.add_argument("--T", type=int, nargs="+", default=None,
-                       help="only these sizes; the CSV keeps its rows at other sizes (finishing a cut-short sweep)")
-    check = sub.add_parser("check", help="numerics rule for forward and every gradient")
-    check.add_argument("ops", nargs="*")
-    plots = sub.add_parser("plots", help="redraw data/figures from the committed CSVs")
-    plots.add_argument("--data", type=Path, default=None)
-    args = parser.parse_args(argv)
-
     from . import bench as harness
-    from . import plots as figures
     from . import runtime
 
+    parser = _parser(sorted(harness.discover()))
+    args = parser.parse_args(argv)
     if args.command == "plots":
-        for path in figures.render(args.data):
-            print(path)
-        return 0
+        return _plots(parser, args.data)
     if args.command == "check" or runtime.smoke():
         if args.command == "bench":
             print("No CUDA GPU: running the correctness checks through the Triton interpreter at tiny "
                   "sizes. Speed needs a GPU (see README: results measured on an H200 are in data/).")
+        elif runtime.interpreter_notice():
+            print(runtime.interpreter_notice(), file=sys.stderr)
         return 0 if _check_and_record(args.ops or None, getattr(args, "out", None)) else 1
-    written = harness.run(args.ops or None, quick=args.quick, sizes=args.T, out=args.out)
+    return _bench_on_gpu(harness, args)
+
+
+def _bench_on_gpu(harness, args) -> int:
+    """Sweep, then the numerics rule per op and its kernel times; exit 1 when a check failed."""
     import pandas as pd
 
+    from . import plots as figures
+
+    written = harness.run(args.ops or None, quick=args.quick, sizes=args.T, out=args.out)
+    passed = True
     for op, path in written.items():
-        _check_and_record([op], args.out)
+        passed = _check_and_record([op], args.out) and passed
         df = pd.read_csv(path)
         print(df.pivot_table(index=["pass", "T"], columns="impl", values="kernel_ms").round(4).to_string())
-    for path in figures.render(args.out, list(written)):
+    for path in figures.render(harness.data_dir(args.out), list(written)):
         print(path)
-    return 0
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

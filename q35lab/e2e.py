@@ -627,20 +627,25 @@ def _one_variant(args) -> None:
             break  # longer sequences will not fit either (and --fit has found its limit)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variants", nargs="+", default=["peft", "peft+liger", "q35lab"], choices=sorted(VARIANTS))
-    parser.add_argument("--T", type=int, nargs="+", default=[8192, 32768])
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m q35lab.e2e", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variants", nargs="+", default=["peft", "peft+liger", "q35lab"], choices=sorted(VARIANTS),
+                        metavar="VARIANT", help="what to train, each in a fresh process (default: peft peft+liger q35lab): "
+                        + ", ".join(sorted(VARIANTS)))
+    parser.add_argument("--T", type=int, nargs="+", default=[8192, 32768],
+                        help="sequence lengths in tokens, batch 1 (default: 8192 32768)")
     parser.add_argument("--what", default="step", choices=["step", "layer"],
                         help="a whole training step, or one GatedDeltaNet layer forward + backward")
-    parser.add_argument("--size", default="h200", choices=["h200", "tiny"])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--size", default="h200", choices=["h200", "tiny"],
+                        help="model dimensions: transformers' defaults (the 9B's), or a CPU-sized model")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers (default: %(default)s)")
+    parser.add_argument("--rank", type=int, default=16, help="LoRA rank on every linear layer (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=3, help="measured training steps per size (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps before them (default: %(default)s)")
     parser.add_argument("--fit", action="store_true",
                         help="after --T, longer sequences until one runs out of memory: the longest that fits")
-    parser.add_argument("--fit-max", type=int, default=512 * 1024)
+    parser.add_argument("--fit-max", type=int, default=512 * 1024,
+                        help="with --fit: the longest size tried (default: %(default)s)")
     parser.add_argument("--fit-from", type=int, default=0, help="with --fit: the first longer size tried")
     parser.add_argument("--fit-step", type=float, default=1.25, help="with --fit: the factor between sizes tried")
     parser.add_argument("--memory-at-peak", action="store_true",
@@ -648,7 +653,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="CSV to write; rows of a variant and T measured again replace theirs, others are kept "
                         "(a .jsonl of the same name collects the rows)")
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # the child process's one variant
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     if args.variant:
         _one_variant(args)
         return 0

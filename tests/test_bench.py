@@ -108,6 +108,7 @@ def test_cli_bench_without_gpu_runs_the_smoke_checks():
     assert out.returncode == 0, out.stderr
     assert "Speed needs a GPU" in out.stdout
     assert out.stdout.count(" ok") == 12 and "FAIL" not in out.stdout  # 2 sizes × 2 dtypes × 3 tensors
+    assert out.stdout.splitlines()[-1] == "all 12 checks passed"
 
 
 @pytest.mark.parametrize("op", ["lora", "in_proj"])
