@@ -24,14 +24,15 @@ ROOT=$PWD
 STEPS=${STEPS:-tests,tune,bench,notebooks}
 OPS=${OPS:-offset_rms_norm}
 NOTEBOOKS=${NOTEBOOKS:-*.ipynb}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    $(ls .whl/*.whl | grep -v -e fla -e flash_linear) || exit 1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_fla \
-    $(ls .whl/*.whl | grep -e fla -e flash_linear) 2>/dev/null
-TRI=
-if [[ -s .whl/triton-3.7.1-slim.tar.xz ]]; then
-  mkdir -p /tmp/tri && tar xJf .whl/triton-3.7.1-slim.tar.xz -C /tmp/tri && TRI=/tmp/tri:
+if [[ ! -d /tmp/site ]]; then  # once per machine: a second run in the same call reuses them
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      $(ls .whl/*.whl | grep -v -e fla -e flash_linear) || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_fla \
+      $(ls .whl/*.whl | grep -e fla -e flash_linear) 2>/dev/null
+  [[ -s .whl/triton-3.7.1-slim.tar.xz ]] && mkdir -p /tmp/tri && tar xJf .whl/triton-3.7.1-slim.tar.xz -C /tmp/tri
 fi
+TRI=
+[[ -d /tmp/tri/triton ]] && TRI=/tmp/tri:
 export PYTHONPATH=${TRI}$( [[ -n ${NO_FLA:-} ]] || echo /tmp/site_fla:)/tmp/site:$PWD
 export TRITON_CACHE_AUTOTUNING=1  # fla autotunes each shape once; later processes reuse the result
 WITH_FLA=$PYTHONPATH
