@@ -417,9 +417,11 @@ def _training_setup(model, lr: float):
     return next(model.parameters()).device, model.get_input_embeddings().weight.shape[0], optimizer
 
 
-def measure(model, T: int, steps: int = 3, warmup: int = 1, lr: float = 1e-4) -> dict:
-    """Median step time and core time over ``steps`` steps after ``warmup``; peak memory; losses."""
+def measure(model, T: int, steps: int = 3, warmup: int = 1, lr: float = 1e-4, compile: bool = False) -> dict:
+    """Median step time and core time over ``steps`` steps after ``warmup``; peak memory; losses.
+    ``compile``: the steps run ``torch.compile(model)`` (its compilation falls in the warm-up)."""
     device, vocab, optimizer = _training_setup(model, lr)
+    step_model = torch.compile(model) if compile else model
     timer = RegionTimer()
     losses, step_ms, core_ms = [], [], []
     on_gpu = device.type == "cuda"
@@ -432,7 +434,7 @@ def measure(model, T: int, steps: int = 3, warmup: int = 1, lr: float = 1e-4) ->
                     torch.cuda.reset_peak_memory_stats()
             timer.start(device.type)
             start = _Stamp(device.type)
-            losses.append(train_step(model, optimizer, ids))
+            losses.append(train_step(step_model, optimizer, ids))
             end = _Stamp(device.type)
             if i >= warmup:
                 step_ms.append(start.ms_until(end))
@@ -581,7 +583,7 @@ def _measured(model, T: int, args) -> dict:
     try:
         if args.what == "layer":
             return dict(what="layer", **measure_layer(model, T, steps=steps, warmup=warmup))
-        row = dict(what="step", **measure(model, T, steps=steps, warmup=warmup))
+        row = dict(what="step", **measure(model, T, steps=steps, warmup=warmup, compile=args.compile))
         if args.memory_at_peak and T in args.T and torch.cuda.is_available():
             try:  # an extra, optional look: its failure must not cost the measured row
                 row.update(memory_at_peak(model, T))
@@ -606,7 +608,8 @@ def _one_variant(args) -> None:
     except ImportError as exc:  # a peer that is not installed is a row that says so
         report, missing = None, f"not installed: {exc.name or exc}"
     for T in _sizes(args):
-        row = {"variant": args.variant, "T": T, "size": args.size, "layers": args.layers, "rank": args.rank,
+        row = {"variant": args.variant + ("+compile" if args.compile else ""), "T": T, "size": args.size,
+               "layers": model.config.get_text_config().num_hidden_layers, "rank": args.rank,
                "status": "skipped" if missing else "ok", "note": missing,
                "report": " ".join(str(report).split())[:300] if report else ""}
         if not missing:
@@ -636,9 +639,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="sequence lengths in tokens, batch 1 (default: 8192 32768)")
     parser.add_argument("--what", default="step", choices=["step", "layer"],
                         help="a whole training step, or one GatedDeltaNet layer forward + backward")
-    parser.add_argument("--size", default="h200", choices=["h200", "tiny"],
-                        help="model dimensions: transformers' defaults (the 9B's), or a CPU-sized model")
-    parser.add_argument("--layers", type=int, default=4, help="decoder layers (default: %(default)s)")
+    parser.add_argument("--size", default="h200", choices=[*SIZES, "h200", "tiny"],
+                        help="model dimensions: a real Qwen3.5 size, 'h200' (the 9B's dims, --layers layers) or 'tiny'")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="decoder layers (default: all of a real size's, 4 for 'h200' and 'tiny')")
+    parser.add_argument("--compile", action="store_true", help="train torch.compile(model) (variant label +compile)")
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank on every linear layer (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=3, help="measured training steps per size (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps before them (default: %(default)s)")
@@ -668,7 +673,8 @@ def main(argv=None) -> int:
     for variant in args.variants:
         child = [sys.executable, "-m", "q35lab.e2e", "--variant", variant, "--out", str(lines), "--what", args.what,
                  "--size", args.size,
-                 "--layers", str(args.layers), "--rank", str(args.rank), "--steps", str(args.steps),
+                 *(["--layers", str(args.layers)] if args.layers else []), *(["--compile"] if args.compile else []),
+                 "--rank", str(args.rank), "--steps", str(args.steps),
                  "--warmup", str(args.warmup), "--fit-max", str(args.fit_max), "--fit-from", str(args.fit_from),
                  "--fit-step", str(args.fit_step), *(["--fit"] if args.fit else []),
                  *(["--memory-at-peak"] if args.memory_at_peak else []),
@@ -697,9 +703,11 @@ def merge_rows(path: Path, rows: list[dict]):
     if not path.exists() or path.stat().st_size == 0:
         return new
     old = integer_sizes(pd.read_csv(path))
-    if {"variant", "T"} <= set(old.columns) and {"variant", "T"} <= set(new.columns):
-        measured = set(zip(new["variant"], new["T"]))
-        old = old[[(v, t) not in measured for v, t in zip(old["variant"], old["T"])]]
+    # a row is (variant, T) of one model: its size and layers where both frames record them
+    key = [c for c in ("variant", "T", "size", "layers") if c in old.columns and c in new.columns]
+    if {"variant", "T"} <= set(key):
+        measured = set(new[key].astype(str).itertuples(index=False, name=None))
+        old = old[[k not in measured for k in old[key].astype(str).itertuples(index=False, name=None)]]
     return integer_sizes(pd.concat([old, new], ignore_index=True))
 
 

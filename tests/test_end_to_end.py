@@ -355,3 +355,27 @@ def test_axolotl_packing_forward_runs_the_gated_delta_net_in_proj_and_out_proj_k
     if modeling.fla_chunk_gated_delta_rule is None:
         with pytest.raises(RuntimeError, match="flash-linear-attention"):
             model(input_ids=e2e.toy_corpus(1, 8, 256).to(device()))
+
+
+def test_real_sizes_have_their_published_dimensions():
+    nine, big, moe = (e2e.config(size) for size in ("9b", "27b", "35b-a3b"))
+    assert (nine.num_hidden_layers, nine.hidden_size, nine.intermediate_size) == (32, 4096, 12288)
+    assert (big.num_hidden_layers, big.hidden_size, big.intermediate_size, big.num_attention_heads,
+            big.num_key_value_heads, big.linear_num_key_heads, big.linear_num_value_heads) == (64, 5120, 17408, 24, 4, 16, 48)
+    assert type(moe).__name__ == "Qwen3_5MoeTextConfig"
+    assert (moe.num_hidden_layers, moe.hidden_size, moe.num_experts, moe.num_experts_per_tok,
+            moe.moe_intermediate_size) == (40, 2048, 256, 8, 512)
+    assert all(c.vocab_size == 248_320 and c.layer_types[3] == "full_attention" and c.layer_types[2] == "linear_attention"
+               for c in (nine, big, moe))
+    assert e2e.config("9b", layers=4).num_hidden_layers == 4 and e2e.config("h200").num_hidden_layers == 4
+    with pytest.raises(ValueError, match="size: expected one of"):
+        e2e.config("7b")
+
+
+def test_rows_of_another_model_size_are_kept_when_the_same_variant_and_T_are_measured(tmp_path):
+    path = tmp_path / "end_to_end.csv"
+    old = [{"variant": "q35lab", "T": 32768, "size": "h200", "layers": 4, "step_ms": 1.0},
+           {"variant": "q35lab", "T": 32768, "size": "9b", "layers": 32, "step_ms": 2.0}]
+    e2e.merge_rows(path, old).to_csv(path, index=False)
+    merged = e2e.merge_rows(path, [{"variant": "q35lab", "T": 32768, "size": "9b", "layers": 32, "step_ms": 3.0}])
+    assert sorted(zip(merged["size"], merged["step_ms"])) == [("9b", 3.0), ("h200", 1.0)]
