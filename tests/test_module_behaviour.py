@@ -40,12 +40,12 @@ def _perturb(model, seed):
             p.add_(0.05 * torch.randn(p.shape, generator=generator).to(p.device, p.dtype))
 
 
-def _assert_close_step(a, b):
+def _assert_close_step(a, b, rtol=1e-4):
     (loss_a, grads_a), (loss_b, grads_b) = a, b
-    torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss_a, loss_b, rtol=rtol / 10, atol=1e-5)
     assert grads_a.keys() == grads_b.keys() and grads_a
     for name in grads_a:
-        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=rtol, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("build", [_frozen_in_proj_model, _peft_model], ids=["bare", "peft"])
@@ -126,5 +126,12 @@ def test_torch_compile_of_a_patched_peft_model_matches_eager(backend):
     eager = loss_and_grads(model, ids)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend)
-    _assert_close_step(loss_and_grads(compiled, ids), eager)
-    _assert_close_step(loss_and_grads(compiled, ids), eager)  # the second call reuses the graphs
+
+    def compiled_step():  # the compiled module's forward; the gradients read off the model's own names
+        model.zero_grad(set_to_none=True)
+        loss = compiled(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    _assert_close_step(compiled_step(), eager)
+    _assert_close_step(compiled_step(), eager)  # the second call reuses the graphs
