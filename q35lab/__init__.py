@@ -6,11 +6,13 @@ defined, hence ``runtime`` is imported first.
 """
 
 from . import runtime  # noqa: F401  (first: chooses compiled Triton or the interpreter)
+from .ops.causal_conv1d import causal_conv1d
 from .ops.gated_rms_norm import GatedRMSNorm, gated_rms_norm
 from .ops.fused_projections import Projection, fused_lora_projections
 from .ops.linear_cross_entropy import linear_cross_entropy
 from .ops.lora import lora_linear
 from .ops.offset_rms_norm import OffsetRMSNorm, offset_rms_norm
+from .ops.swiglu import swiglu, swiglu_packed
 from .patch import PatchReport, apply_to_qwen3_5, revert
 
 __version__ = "0.1.0"
@@ -24,6 +26,9 @@ __all__ = [
     "fused_lora_projections",
     "Projection",
     "linear_cross_entropy",
+    "causal_conv1d",
+    "swiglu",
+    "swiglu_packed",
     "apply_to_qwen3_5",
     "revert",
     "PatchReport",

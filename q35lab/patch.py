@@ -7,12 +7,16 @@ checkpoints keep seeing them). ``revert`` puts the originals back. Both are idem
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
 from .ops._compile import opaque_to_compile
+from .ops.causal_conv1d import causal_conv1d
 from .ops.gated_rms_norm import GatedRMSNorm
 from .ops.fused_projections import (ConcatCache, Projection, _rows_of_one_buffer, fused_lora_projections, pack_rows,
                                      unpack_rows)
@@ -46,6 +50,9 @@ class PatchReport:
     not_applied: dict = field(default_factory=dict)  # flag → why it did nothing
     reverted: Counter = field(default_factory=Counter)
     qwen3_5: bool = True  # whether any Qwen3.5 module (norm, GatedDeltaNet, causal LM) was found
+    #: what computes the code q35lab does not replace, or replaces only sometimes: "delta-rule
+    #: core" and "causal conv1d" → which implementation will run, and what to do if it is slow
+    runs: dict = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -72,6 +79,8 @@ class PatchReport:
                          "only the model-independent parts (PEFT LoRA layers) were patched")
         for flag, why in self.not_applied.items():
             lines.append(f"{flag}: {why}")
+        for part, what in self.runs.items():
+            lines.append(f"{part}: {what}")
         return "PatchReport(\n  " + "\n  ".join(lines) + "\n)"
 
 
@@ -379,6 +388,115 @@ def _unfuse_in_proj(module: torch.nn.Module, report: "PatchReport") -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# The GatedDeltaNet's causal convolution. transformers calls ``causal_conv1d_fn`` on the in_proj
+# output transposed to [B, C, T] and transposes the result back; q35lab's kernel reads the
+# channels-last tensor underneath that view, so neither transpose copies. Where the function
+# lives depends on the transformers version: an attribute of each GatedDeltaNet (None when the
+# causal-conv1d package is missing; transformers < 5.20), or a function of the modeling module
+# (5.20 on), which a patched layer's forward switches to q35lab's for the duration of its call.
+# ----------------------------------------------------------------------------------------------
+_CONV = "_q35lab_conv"  # attribute of a GatedDeltaNet whose convolution q35lab computes
+
+
+class _CausalConv:
+    """``causal_conv1d_fn(x [B, C, T], weight [C, K], bias, activation, ...)`` by q35lab's kernel.
+
+    Packed sequences: transformers passes their boundaries as ``cu_seq_lens_q`` (5.20 on), which
+    the kernel honours; its own fallback ignores them."""
+
+    def __call__(self, *args, **kwargs):
+        names = ("hidden_states", "weight", "bias", "activation")
+        values = dict(zip(names, args))
+        values.setdefault("hidden_states", kwargs.pop("x", None))
+        values.update({k: kwargs.pop(k) for k in names if k in kwargs})
+        if kwargs.get("seq_idx") is not None:
+            raise NotImplementedError("q35lab's causal_conv1d takes cu_seqlens, not seq_idx: patch with conv=False")
+        cu_seqlens = kwargs.get("cu_seq_lens_q", kwargs.get("cu_seqlens"))
+        x = values["hidden_states"].transpose(1, 2)  # [B, T, C]: the in_proj output itself
+        y = causal_conv1d(x, values["weight"], values.get("bias"), activation=values.get("activation"),
+                          cu_seqlens=cu_seqlens)
+        return y.transpose(1, 2)
+
+
+#: The switch installed in each modeling module, by module name (a timer or another patch may
+#: wrap the module's function afterwards; the layers find their switch here, not by that name).
+_CONV_SWITCHES: dict = {}
+
+
+class _ConvSwitch:
+    """Installed as a modeling module's ``causal_conv1d_fn``: q35lab's convolution while a patched
+    GatedDeltaNet's forward runs, the module's own function at every other call."""
+
+    def __init__(self, original):
+        self.original = original
+        self.active = 0
+        functools.update_wrapper(self, original)
+
+    def __call__(self, *args, **kwargs):
+        return (_CausalConv() if self.active else self.original)(*args, **kwargs)
+
+
+class _SwitchedConvForward(_Forward):
+    """A GatedDeltaNet's own forward, with its module's convolution switched to q35lab's."""
+
+    def __call__(self, *args, **kwargs):
+        switch = _CONV_SWITCHES[type(self.module).__module__]
+        switch.active += 1
+        try:
+            return type(self.module).forward(self.module, *args, **kwargs)
+        finally:
+            switch.active -= 1
+
+
+def _conv_style(gdn: torch.nn.Module) -> str | None:
+    """"attribute", "module" or None: where this GatedDeltaNet's convolution function lives."""
+    if "causal_conv1d_fn" in vars(gdn):
+        return "attribute"
+    if callable(getattr(sys.modules[type(gdn).__module__], "causal_conv1d_fn", None)):
+        return "module"
+    return None
+
+
+def _conv_problem(gdn: torch.nn.Module) -> str | None:
+    style = _conv_style(gdn)
+    if style is None:
+        return "no causal_conv1d_fn in this transformers version"
+    if (vars(gdn).get("causal_conv1d_fn") is not None if style == "attribute"
+            else importlib.util.find_spec("causal_conv1d") is not None):
+        return "the causal-conv1d CUDA package runs it"
+    return None
+
+
+def _patch_conv(gdn: torch.nn.Module, report: "PatchReport") -> None:
+    label = f"{type(gdn).__name__} causal conv1d"
+    problem = _conv_problem(gdn)
+    if _marked(gdn, _CONV) is not None:
+        report.already_patched += 1
+    elif problem:
+        report.left_alone[f"{label}: {problem}"] += 1
+    elif _conv_style(gdn) == "attribute":
+        gdn.causal_conv1d_fn = _CausalConv()
+        object.__setattr__(gdn, _CONV, "attribute")
+        report.replaced[label] += 1
+    else:
+        name = type(gdn).__module__
+        if name not in _CONV_SWITCHES:  # delegates to the original while no patched layer runs
+            module = sys.modules[name]
+            _CONV_SWITCHES[name] = module.causal_conv1d_fn = _ConvSwitch(module.causal_conv1d_fn)
+        _override_forward(gdn, _CONV, _SwitchedConvForward, None, label, report)
+
+
+def _unpatch_conv(gdn: torch.nn.Module, report: "PatchReport") -> None:
+    style = _marked(gdn, _CONV)
+    if style == "attribute":
+        gdn.causal_conv1d_fn = None
+        object.__delattr__(gdn, _CONV)
+        report.reverted[f"{type(gdn).__name__} causal conv1d"] += 1
+    elif style is not None:
+        _restore_forward(gdn, _CONV, f"{type(gdn).__name__} causal conv1d", report)
+
+
+# ----------------------------------------------------------------------------------------------
 # The MLP, down(silu(gate(x)) · up(x)): gate and up share their input, so with frozen bases they
 # become one fused node like the in_proj (their weights packed into one buffer), and the SwiGLU
 # between them is one Triton kernel forward and backward. down_proj keeps its own forward (routed
@@ -569,6 +687,48 @@ def _computed_by_a_fused_mlp(child: torch.nn.Module, parent: torch.nn.Module) ->
     return _marked(parent, _MLP) == "fused" and child in (parent.gate_proj, parent.up_proj)
 
 
+#: transformers' PyTorch delta rule against fla's, one GatedDeltaNet core at T = 32k, forward +
+#: backward, on an H200 (2026-12-01: 1505 ms against 8.1 ms; ../shared/GPU.md).
+FALLBACK_CORE_SLOWDOWN = 185
+
+
+def _triton_at_least(version: tuple[int, ...]) -> bool:
+    import triton
+
+    digits = [int("".join(c for c in part if c.isdigit()) or 0) for part in triton.__version__.split(".")[:3]]
+    return tuple(digits) >= version
+
+
+def _delta_rule_core(gdn: torch.nn.Module) -> str:
+    """Which delta-rule core this GatedDeltaNet will run, and what to install when it is slow."""
+    attribute = vars(gdn).get("chunk_gated_delta_rule")  # transformers < 5.20 keeps it on the layer
+    fla = (attribute.__module__.startswith("fla") if callable(attribute)
+           else importlib.util.find_spec("fla") is not None)
+    if not fla:
+        return (f"transformers' PyTorch fallback, about {FALLBACK_CORE_SLOWDOWN}x slower than fla's per layer "
+                "(H200, 32k tokens): pip install flash-linear-attention (on Hopper with Triton >= 3.7.1)")
+    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    if hopper and not _triton_at_least((3, 7, 1)):
+        return ("flash-linear-attention's, whose backward refuses Hopper with this Triton (< 3.7.1, fla#640): "
+                "install Triton 3.7.1 (or torch >= 2.12.1)")
+    return "flash-linear-attention's chunk_gated_delta_rule"
+
+
+def _causal_conv(gdn: torch.nn.Module) -> str:
+    if _marked(gdn, _CONV) is not None:
+        return "q35lab's causal_conv1d (channels last, no transposes)"
+    if _conv_problem(gdn) == "the causal-conv1d CUDA package runs it":
+        return "the causal-conv1d CUDA package"
+    return "transformers' PyTorch fallback (a depthwise nn.Conv1d between two transposes): patch with conv=True"
+
+
+def _record_what_runs(model: torch.nn.Module, report: "PatchReport") -> None:
+    layers = [m for m in model.modules() if _is_gated_delta_net(m)]
+    if layers:
+        report.runs["delta-rule core"] = _delta_rule_core(layers[0])
+        report.runs["causal conv1d"] = _causal_conv(layers[0])
+
+
 def _is_qwen3_5_module(module: torch.nn.Module) -> bool:
     cls = type(module)
     known = OFFSET_RMS_NORM_CLASSES + HF_GATED_NORM_CLASSES + FLCE_CLASSES + MLP_CLASSES
@@ -583,6 +743,7 @@ def apply_to_qwen3_5(
     lora: bool = True,
     in_proj: bool = True,
     flce: bool = True,
+    conv: bool = True,
     swiglu: bool = True,
 ) -> PatchReport:
     """Replace Qwen3.5's modules by q35lab's kernels, in place; returns what was done.
@@ -605,7 +766,7 @@ def apply_to_qwen3_5(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     enabled = {"rms_norm": rms_norm, "gated_norm": gated_norm, "lora": lora, "in_proj": in_proj, "flce": flce,
-               "swiglu": swiglu}
+               "conv": conv, "swiglu": swiglu}
     report = PatchReport(qwen3_5=any(map(_is_qwen3_5_module, model.modules())))
     for flag, wanted in enabled.items():
         if not wanted:
@@ -617,6 +778,8 @@ def apply_to_qwen3_5(
         cls = type(module)
         if in_proj and _is_gated_delta_net(module):
             _fuse_in_proj(module, report)
+        if conv and _is_gated_delta_net(module):
+            _patch_conv(module, report)
         if swiglu and _is_swiglu_mlp(module):
             _patch_mlp(module, report)
         if flce and cls.__name__ in FLCE_CLASSES and cls.__module__.startswith("transformers."):
@@ -638,6 +801,7 @@ def apply_to_qwen3_5(
         else:
             setattr(parent, name, replacement)
             report.replaced[type(child).__name__] += 1
+    _record_what_runs(model, report)
     return report
 
 
@@ -649,6 +813,7 @@ def revert(model: torch.nn.Module) -> PatchReport:
     for module in model.modules():
         _unpatch_loss(module, report)
         _unpatch_mlp(module, report)
+        _unpatch_conv(module, report)
     for parent, name, child in _named_children_everywhere(model):
         _unroute_lora(child, report)
         _unfuse_in_proj(child, report)

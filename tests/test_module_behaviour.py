@@ -135,3 +135,51 @@ def test_torch_compile_of_a_patched_peft_model_matches_eager(backend):
 
     _assert_close_step(compiled_step(), eager)
     _assert_close_step(compiled_step(), eager)  # the second call reuses the graphs
+
+
+def _first_order_cases():
+    from q35lab.ops.causal_conv1d import causal_conv1d
+    from q35lab.ops.swiglu import swiglu
+
+    x = torch.randn(2, 5, 8, device=device())
+    w = torch.randn(8, device=device())
+    lora = (torch.randn(6, 8, device=device()), torch.randn(3, 8, device=device()), torch.randn(6, 3, device=device()))
+    head, target = torch.randn(11, 8, device=device()), torch.randint(0, 11, (10,), device=device())
+    return {
+        "offset_rms_norm": (lambda x, w: q35lab.offset_rms_norm(x, w), (x, w)),
+        "gated_rms_norm": (lambda x, w: q35lab.gated_rms_norm(x, x.sin(), w), (x, w)),
+        "lora_linear": (lambda x, a: q35lab.lora_linear(x, lora[0], a, lora[2], 2.0), (x, lora[1])),
+        "fused_lora_projections": (lambda x, a: q35lab.fused_lora_projections(
+            x, [q35lab.Projection(lora[0], lora_A=a, lora_B=lora[2], scaling=2.0)])[0], (x, lora[1])),
+        "linear_cross_entropy": (lambda x, h: q35lab.linear_cross_entropy(x.reshape(10, 8), h, target), (x, head)),
+        "causal_conv1d": (lambda x, w: causal_conv1d(x, w.reshape(2, 4).repeat(4, 1)), (x, w)),
+        "swiglu": (lambda x, w: swiglu(x * w, x), (x, w)),
+    }
+
+
+@pytest.mark.parametrize("op", list(_first_order_cases()))
+def test_a_second_derivative_through_an_op_raises_a_q35lab_error_first_derivatives_stay_right(op):
+    fn, inputs = _first_order_cases()[op]
+    inputs = [t.detach().requires_grad_() for t in inputs]
+    first = torch.autograd.grad(fn(*inputs).sum(), inputs)
+    with_graph = torch.autograd.grad(fn(*inputs).sum(), inputs, create_graph=True)
+    for a, b in zip(first, with_graph):
+        torch.testing.assert_close(a, b.detach())
+    with pytest.raises(RuntimeError, match="q35lab: .* has no second derivative"):
+        sum(g.sum() for g in with_graph).backward()
+
+
+def test_retain_graph_backward_twice_through_a_patched_model_accumulates_like_the_unpatched():
+    reference = _peft_model()
+    model = copy.deepcopy(reference)
+    q35lab.apply_to_qwen3_5(model)
+    ids = torch.randint(0, 128, (2, 9), device=device())
+
+    def twice(m):
+        m.zero_grad(set_to_none=True)
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    _assert_close_step(twice(model), twice(reference))

@@ -1,6 +1,7 @@
 """apply_to_qwen3_5 / revert on tiny transformers Qwen3.5 models, bare and under PEFT."""
 
 import copy
+import importlib.util
 
 import pytest
 import torch
@@ -42,7 +43,7 @@ def test_same_logits_loss_and_gradients_patched_unpatched_reverted(build, norm_c
     n_norms = sum(type(m).__name__ == norm_class for m in model.modules())
     n_gated = sum(type(m).__name__ == gated_class for m in model.modules())
 
-    report = q35lab.apply_to_qwen3_5(model, flce=False, swiglu=False)  # logits are compared: keep them
+    report = q35lab.apply_to_qwen3_5(model, flce=False, swiglu=False, conv=False)  # logits are compared: keep them
     # 2 layers × 2, q/k norm of the attention layer, final norm; one gated norm per GatedDeltaNet
     assert report.replaced == {norm_class: 7, gated_class: 1} and (n_norms, n_gated) == (7, 1)
     assert not any(type(m).__name__ in (norm_class, gated_class) for m in model.modules())
@@ -83,6 +84,7 @@ def test_multimodal_model_is_patched():
     n_norms = sum(type(m).__name__ == "Qwen3_5RMSNorm" for m in model.modules())
     report = q35lab.apply_to_qwen3_5(model)
     assert report.replaced == {"Qwen3_5RMSNorm": n_norms, "Qwen3_5RMSNormGated": 1, "Qwen3_5MLP (SwiGLU)": 2,
+                               "Qwen3_5GatedDeltaNet causal conv1d": 1,
                                "Qwen3_5ForConditionalGeneration loss (fused linear cross entropy)": 1} and n_norms >= 7
     ids = torch.randint(0, 100, (1, 6), device=device())
     assert torch.isfinite(model(input_ids=ids).logits).all()
@@ -92,7 +94,7 @@ def test_patching_twice_is_harmless_and_reported():
     model = causal_lm()
     first = q35lab.apply_to_qwen3_5(model)
     second = q35lab.apply_to_qwen3_5(model)
-    assert first.total == 11 and second.total == 0 and second.already_patched == 11  # 7 + 1 + 2 MLPs + the loss
+    assert first.total == 12 and second.total == 0 and second.already_patched == 12  # 7 + 1 + 2 MLPs + conv + loss
     assert "already patched" in str(second)
     q35lab.revert(model)
     assert q35lab.revert(model).reverted == {}
@@ -107,11 +109,11 @@ def test_flags_of_later_optimizations_are_reported_not_applied():
     report = q35lab.apply_to_qwen3_5(causal_lm(), gated_norm=True, lora=True, in_proj=True, flce=True)
     assert list(report.not_applied) == ["lora"]  # a bare model has no LoRA layers: the report says so
     off = q35lab.apply_to_qwen3_5(causal_lm(), rms_norm=False, gated_norm=False, lora=False, in_proj=False, flce=False,
-                                  swiglu=False)
+                                  swiglu=False, conv=False)
     assert off.total == 0
     assert off.not_applied == {flag: "disabled by the caller"
-                               for flag in ("rms_norm", "gated_norm", "lora", "in_proj", "flce", "swiglu")}
-    only_gated = q35lab.apply_to_qwen3_5(causal_lm(), rms_norm=False, flce=False, swiglu=False)
+                               for flag in ("rms_norm", "gated_norm", "lora", "in_proj", "flce", "conv", "swiglu")}
+    only_gated = q35lab.apply_to_qwen3_5(causal_lm(), rms_norm=False, flce=False, swiglu=False, conv=False)
     assert only_gated.replaced == {"Qwen3_5RMSNormGated": 1}
 
 
@@ -133,12 +135,12 @@ def test_peft_wrapped_model():
     # q_proj, v_proj, out_proj routed; the GatedDeltaNet's four (frozen, no adapter) in_proj fused
     patched = {"Qwen3_5RMSNorm": 7, "Qwen3_5RMSNormGated": 1, "PEFT lora.Linear (forward)": 3,
                "Qwen3_5GatedDeltaNet in_proj (4 projections, 1 node)": 1, "Qwen3_5MLP (SwiGLU)": 2,
-               "Qwen3_5MLP gate/up (2 projections, 1 node)": 2}
+               "Qwen3_5MLP gate/up (2 projections, 1 node)": 2, "Qwen3_5GatedDeltaNet causal conv1d": 1}
     assert report.replaced == patched
     _assert_same_step(before, _loss_and_grads(peft_model, ids))
     assert q35lab.revert(peft_model).reverted == {"Qwen3_5RMSNorm": 7, "Qwen3_5RMSNormGated": 1,
                                                   "PEFT lora.Linear (forward)": 3, "GatedDeltaNet in_proj": 1,
-                                                  "Qwen3_5MLP (SwiGLU)": 2}
+                                                  "Qwen3_5MLP (SwiGLU)": 2, "Qwen3_5GatedDeltaNet causal conv1d": 1}
     _assert_same_step(before, _loss_and_grads(peft_model, ids))
 
 
@@ -195,7 +197,7 @@ def test_patch_reaches_the_gated_norm_the_forward_calls(monkeypatch, norm_source
             gdn.norm = stand_in
     ids = torch.randint(0, 128, (2, 9), device=device())
     before = _loss_and_grads(model, ids)
-    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, flce=False, swiglu=False)
+    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, flce=False, swiglu=False, conv=False)
     expected_class = "FusedRMSNormGated" if norm_source == "fla" else "Qwen3_5RMSNormGated"
     assert report.replaced == {expected_class: 1}
     assert all(isinstance(g.norm, GatedRMSNorm) for g in gdns)
@@ -209,7 +211,7 @@ def test_fla_norm_with_another_activation_is_left_alone():
     model = causal_lm()
     gdn = _gdn_layers(model)[0]
     gdn.norm = _FlaStandIn(gdn.norm.weight.shape[0], activation="sigmoid").to(device())
-    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, in_proj=False, flce=False, swiglu=False)
+    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, in_proj=False, flce=False, swiglu=False, conv=False)
     assert report.replaced == {} and sum(report.left_alone.values()) == 1
     assert "sigmoid" in str(report)
 
@@ -219,7 +221,7 @@ def test_a_same_named_class_from_elsewhere_is_not_mistaken_for_fla():
     gdn = _gdn_layers(model)[0]
     other = type("FusedRMSNormGated", (_FlaStandIn,), {"__module__": "axolotl.kernels.rms_norm_gated"})
     gdn.norm = other(gdn.norm.weight.shape[0]).to(device())
-    assert q35lab.apply_to_qwen3_5(model, rms_norm=False, flce=False, swiglu=False).replaced == {}
+    assert q35lab.apply_to_qwen3_5(model, rms_norm=False, flce=False, swiglu=False, conv=False).replaced == {}
 
 
 def test_real_fla_norm_is_patched():
@@ -227,7 +229,7 @@ def test_real_fla_norm_is_patched():
     model = causal_lm()
     gdn = _gdn_layers(model)[0]
     gdn.norm = fla_norm(gdn.norm.weight.shape[0], eps=1e-6, activation="silu").to(device())
-    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, flce=False, swiglu=False)
+    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, flce=False, swiglu=False, conv=False)
     assert report.replaced == {"FusedRMSNormGated": 1} and gdn.norm.rounding == "fused"
 
 
@@ -241,7 +243,7 @@ def test_loss_without_logits_same_loss_and_gradients(build):
     labels = ids.clone()
     labels[0, :3] = -100
     reference = loss_and_grads(model, ids, labels)
-    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, gated_norm=False, lora=False, in_proj=False, swiglu=False)
+    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, gated_norm=False, lora=False, in_proj=False, swiglu=False, conv=False)
     assert report.replaced == {f"{type(model).__name__} loss (fused linear cross entropy)": 1}
     ours = loss_and_grads(model, ids, labels)
     torch.testing.assert_close(ours[0], reference[0], rtol=1e-5, atol=1e-6)
@@ -341,3 +343,65 @@ def test_mlp_same_loss_and_gradients_through_one_fused_node_and_the_swiglu_kerne
     assert gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()
     assert all(torch.equal(p, weights_before[n]) for n, p in model.named_parameters())
     _assert_same_step(before, _loss_and_grads(model, ids))
+
+
+# ---------------------------------------------------------------------------------------------
+# The causal convolution and the report of what runs.
+# ---------------------------------------------------------------------------------------------
+def test_conv_same_loss_and_gradients_through_the_kernel_and_an_unpatched_model_keeps_its_own(monkeypatch):
+    from q35lab.ops.causal_conv1d import CausalConv1dFunction
+
+    model, other = causal_lm(), causal_lm()
+    ids = torch.randint(0, 128, (2, 9), device=device())
+    before, other_before = _loss_and_grads(model, ids), _loss_and_grads(other, ids)
+    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, gated_norm=False, flce=False, swiglu=False, in_proj=False)
+    assert report.replaced == {"Qwen3_5GatedDeltaNet causal conv1d": 1}
+    assert report.runs["causal conv1d"].startswith("q35lab's")
+    calls = count_forward_calls(monkeypatch, CausalConv1dFunction)
+    _assert_same_step(before, _loss_and_grads(model, ids))
+    assert len(calls) == 1
+    _assert_same_step(other_before, _loss_and_grads(other, ids))  # same process, not patched
+    assert len(calls) == 1, "an unpatched model ran q35lab's convolution"
+    assert q35lab.revert(model).reverted == {"Qwen3_5GatedDeltaNet causal conv1d": 1}
+    _loss_and_grads(model, ids)
+    assert len(calls) == 1
+
+
+def test_conv_on_a_layer_that_keeps_its_conv_function_as_an_attribute():
+    """transformers < 5.20 keeps causal_conv1d_fn on each GatedDeltaNet (None without the CUDA
+    package) and calls it as fn(x=[B, C, T], weight=, bias=, activation=, seq_idx=None)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    model = causal_lm()
+    gdn = _gdn_layers(model)[0]
+    gdn.causal_conv1d_fn = None
+    q35lab.apply_to_qwen3_5(model, rms_norm=False, gated_norm=False, flce=False, swiglu=False, in_proj=False)
+    assert "forward" not in vars(gdn) and callable(gdn.causal_conv1d_fn)
+    x = torch.randn(2, gdn.conv1d.weight.shape[0], 7, device=device())  # [B, C, T]
+    weight, bias = gdn.conv1d.weight.squeeze(1).detach(), gdn.conv1d.bias
+    ours = gdn.causal_conv1d_fn(x=x, weight=weight, bias=bias, activation=gdn.activation, seq_idx=None)
+    reference = getattr(modeling_qwen3_5.causal_conv1d_fn, "original", modeling_qwen3_5.causal_conv1d_fn)
+    torch.testing.assert_close(ours, reference(x, weight, bias, activation=gdn.activation), rtol=1e-5, atol=1e-5)
+    q35lab.revert(model)
+    assert gdn.causal_conv1d_fn is None
+
+
+def test_conv_of_a_packed_batch_does_not_leak_across_sequences():
+    from q35lab.patch import _CausalConv
+
+    C, lengths = 6, [3, 1, 5]
+    x = torch.randn(1, C, sum(lengths), device=device())
+    weight, bias = torch.randn(C, 4, device=device()), torch.randn(C, device=device())
+    cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32, device=device())
+    packed = _CausalConv()(x, weight, bias, activation="silu", cu_seq_lens_q=cu)
+    alone = torch.cat([_CausalConv()(part, weight, bias, activation="silu") for part in x.split(lengths, dim=2)], dim=2)
+    torch.testing.assert_close(packed, alone)
+
+
+def test_the_report_says_which_delta_rule_core_and_convolution_run():
+    report = q35lab.apply_to_qwen3_5(causal_lm(), conv=False)
+    fla = importlib.util.find_spec("fla") is not None
+    assert ("flash-linear-attention" in report.runs["delta-rule core"]) if fla else (
+        "PyTorch fallback" in report.runs["delta-rule core"] and "pip install flash-linear-attention" in str(report))
+    assert "fallback" in report.runs["causal conv1d"] and "conv=True" in str(report)
+    assert q35lab.apply_to_qwen3_5(torch.nn.Linear(2, 2)).runs == {}  # no GatedDeltaNet, nothing to say

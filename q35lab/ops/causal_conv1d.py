@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime  # noqa: F401  (the interpreter is chosen before any kernel is defined)
+from ._autograd import first_order_only
 from ._checks import check_float_tensor, check_same_device
 from ._compile import opaque_to_compile
 from ._launch import persistent_programs
@@ -481,6 +482,7 @@ class CausalConv1dFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order_only
     def backward(ctx, dy):
         x, weight2d, bias, seq_start = ctx.saved_tensors
         needs_dx, needs_dw, needs_db = ctx.needs_input_grad[:3]

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._autograd import first_order_only
 from ._checks import check_float_tensor, check_same_device
 from ._compile import opaque_to_compile
 from .lora import _check_dropout, _check_scaling, _compute_dtype, _dropped, _rows, dropout_mask
@@ -172,6 +173,7 @@ class FusedLoRAProjectionsFunction(torch.autograd.Function):
         return tuple(_column_block(y, offsets[i], offsets[i + 1], x.shape[:-1]) for i in range(len(out_features)))
 
     @staticmethod
+    @first_order_only
     def backward(ctx, *grads):
         x2d, weight_cat, xa, *adapters = ctx.saved_tensors
         out_features, lora_meta = ctx.meta

@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._autograd import first_order_only
 from ._checks import check_eps, check_float_tensor, check_same_device, check_weight
 from ._compile import opaque_to_compile
 from ._launch import as_rows
@@ -298,6 +299,7 @@ class GatedRMSNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order_only
     def backward(ctx, dy):
         x2d, g2d, weight = ctx.saved_tensors
         needs_dx, needs_dg, needs_dw = ctx.needs_input_grad[:3]

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._autograd import first_order_only
 from ._checks import check_float_tensor, check_same_device
 from ._compile import opaque_to_compile
 from ._tuned import tuned_config
@@ -422,6 +423,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return total / n_valid if reduction == "mean" else total
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_loss):
         if ctx.grads_now:
             dx, dw = ctx.saved_tensors

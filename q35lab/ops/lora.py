@@ -39,6 +39,7 @@ import numbers
 
 import torch
 
+from ._autograd import first_order_only
 from ._checks import check_float_tensor, check_same_device
 from ._compile import opaque_to_compile
 
@@ -124,6 +125,7 @@ class LoRALinearFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order_only
     def backward(ctx, dy):
         x2d, weight, lora_A, lora_B, xa = ctx.saved_tensors
         needs_x, needs_w, needs_b, needs_a, needs_bm = ctx.needs_input_grad[:5]

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._autograd import first_order_only
 from ._checks import check_eps, check_float_tensor, check_same_device, check_weight
 from ._compile import opaque_to_compile
 from ._launch import as_rows, persistent_programs
@@ -307,6 +308,7 @@ class OffsetRMSNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order_only
     def backward(ctx, dy: torch.Tensor):
         x2d, weight, rstd = ctx.saved_tensors
         needs_dx, needs_dw, _ = ctx.needs_input_grad

@@ -56,8 +56,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 
+from ._autograd import first_order_only
 from ._checks import check_float_tensor, check_same_device
 from ._compile import opaque_to_compile
 from ._tuned import tuned_fields
@@ -452,7 +452,7 @@ class SwiGLUFunction(torch.autograd.Function):
         return h
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, dh):
         gate, up = ctx.saved_tensors
         g_counts = _ownership(gate)  # first: nothing below may hold extra references yet
@@ -494,7 +494,7 @@ class SwiGLUPackedFunction(torch.autograd.Function):
         return h
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, dh):
         (gate_up,) = ctx.saved_tensors
         counts = _ownership(gate_up)
