@@ -321,3 +321,21 @@ def test_tiny_qwen3_5_trains_the_same_patched_and_unpatched():
     assert grads_ours.keys() == grads_peft.keys() and all("lora_" in n for n in grads_ours)
     for name in grads_peft:
         torch.testing.assert_close(grads_ours[name], grads_peft[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_bf16_adapters_round_the_scaled_adapter_gradient_once():
+    """bf16 adapters (PEFT's autocast_adapter_dtype=False): dB = s·dyᵀ·xa is rounded once, from
+    the GEMM's fp32 accumulator. Scaling the rounded bf16 product afterwards (a second rounding)
+    changes a quarter of the elements here by an ulp."""
+    generator = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=generator)).to(device()).bfloat16()
+
+    x, W, A, B, dy = rand(33, 40), rand(24, 40, scale=0.05), rand(4, 40, scale=0.3), rand(24, 4, scale=0.3), rand(33, 24)
+    scale = 2.7  # not a power of two, so that a second rounding shows
+    A.requires_grad_(), B.requires_grad_()
+    dB = _grads(lora_linear(x, W, A, B, scale), dy, [B])[0]
+    xa = x @ A.detach().t()  # what the forward saves, in bf16
+    once = (scale * (dy.float().t() @ xa.float())).bfloat16()
+    assert (dB == once).float().mean() >= 0.99

@@ -43,7 +43,7 @@ import torch
 from ._autograd import first_order_only
 from ._checks import check_float_tensor, check_same_device
 from ._compile import opaque_to_compile
-from .lora import _check_dropout, _check_scaling, _compute_dtype, _dropped, _rows, dropout_mask
+from .lora import _check_dropout, _check_scaling, _compute_dtype, _dropped, _rows, _scaled_product, dropout_mask
 
 __all__ = ["Projection", "ConcatCache", "pack_rows", "unpack_rows", "fused_lora_projections",
            "fused_lora_projections_ref"]
@@ -194,7 +194,7 @@ class FusedLoRAProjectionsFunction(torch.autograd.Function):
                 adapter_grads += [torch.zeros_like(a), torch.zeros_like(b)]
                 continue
             dA = (dxa_i.t() @ _dropped(x2d, dropout, seed)).to(a.dtype)
-            dB = (dys[i].t() @ xa_i).to(b.dtype) * s
+            dB = _scaled_product(dys[i].t(), xa_i, s).to(b.dtype)
             adapter_grads += [dA, dB]
         dx = dx.view(ctx.x_shape)
         return (dx, None, None, None, *adapter_grads)

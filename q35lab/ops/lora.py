@@ -143,12 +143,19 @@ class LoRALinearFunction(torch.autograd.Function):
         if needs_a:
             dA = (dxa.t() @ _dropped(x2d, ctx.dropout, ctx.seed)).to(lora_A.dtype)
         if needs_bm:
-            dB = (dy2d.t() @ xa).to(lora_B.dtype) * ctx.scaling
+            dB = _scaled_product(dy2d.t(), xa, ctx.scaling).to(lora_B.dtype)
         if needs_w:  # a trainable base weight (not LoRA's usual case) is supported, not optimised
             dW = (dy2d.t() @ x2d).to(weight.dtype)
         if needs_b:
             db = dy2d.sum(0).to(ctx.bias_dtype)
         return dx, dW, db, dA, dB, None, None, None
+
+
+def _scaled_product(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale · a·b`` rounded once: the GEMM applies the scale to its fp32 accumulator (alpha).
+    Scaling the product after the GEMM would round a bf16 result twice."""
+    out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
+    return torch.addmm(out, a, b, beta=0, alpha=scale)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
