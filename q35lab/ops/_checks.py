@@ -46,8 +46,3 @@ def check_eps(eps: object) -> float:
     if not (value > 0.0 and value < float("inf")):
         raise ValueError(f"eps: expected a positive finite float, got {eps!r}")
     return value
-
-
-def rows_view(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as a contiguous ``[rows, width]`` matrix (one copy only if ``x`` is strided)."""
-    return x.reshape(-1, x.shape[-1]).contiguous()
