@@ -10,7 +10,7 @@ from q35lab.ops.fused_projections import (
     unpack_rows,
 )
 from q35lab.runtime import device
-from tiny_models import count_forward_calls, loss_and_grads
+from tiny_models import count_forward_calls, loss_and_grads, recording_backend
 
 K = 64
 OUT = (96, 48, 8, 8)  # qkv, z, b, a in miniature
@@ -261,16 +261,6 @@ def test_no_tokens_or_no_features_forward_and_backward(lead, width, bias):
     _assert_every_result_by_rule(lambda fn, x, ps: fn(x, ps), x, ps)
 
 
-def _recording_backend(graphs):
-    from torch._dynamo.backends.registry import lookup_backend
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return lookup_backend("aot_eager")(gm, example_inputs)
-
-    return backend
-
-
 def test_torch_compile_breaks_the_graph_at_the_op_and_matches_eager():
     """As the patch calls it (a cache, frozen bases): the op runs eagerly between the graph before
     it and the graph after it; output and gradients are eager's."""
@@ -286,7 +276,7 @@ def test_torch_compile_breaks_the_graph_at_the_op_and_matches_eager():
 
     graphs = []
     torch._dynamo.reset()
-    loss = torch.compile(step, backend=_recording_backend(graphs))(x)
+    loss = torch.compile(step, backend=recording_backend(graphs))(x)
     grads = torch.autograd.grad(loss, leaves)
     assert len(graphs) == 2  # a graph break at the op, not traced into it
     expected = step(x)

@@ -7,7 +7,7 @@ import q35lab
 from q35lab.numerics import assert_close_by_rule
 from q35lab.ops.lora import LoRALinearFunction, dropout_mask, lora_linear, lora_linear_ref
 from q35lab.runtime import device
-from tiny_models import count_forward_calls
+from tiny_models import count_forward_calls, recording_backend
 
 peft = pytest.importorskip("peft")
 
@@ -218,16 +218,6 @@ def test_zero_sizes_give_what_f_linear_gives(lead, K, N, r, bias):
         assert torch.equal(plain(lora_linear, args), torch.nn.functional.linear(args["x"], args["weight"], args["bias"]))
 
 
-def _recording_backend(graphs):
-    from torch._dynamo.backends.registry import lookup_backend
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return lookup_backend("aot_eager")(gm, example_inputs)
-
-    return backend
-
-
 def test_torch_compile_breaks_the_graph_at_the_op_and_matches_eager():
     """The op runs eagerly between two compiled graphs (the code before it, the code after it),
     and a compiled function's output and gradients are eager's."""
@@ -244,7 +234,7 @@ def test_torch_compile_breaks_the_graph_at_the_op_and_matches_eager():
 
     graphs = []
     torch._dynamo.reset()
-    compiled = torch.compile(step, backend=_recording_backend(graphs))
+    compiled = torch.compile(step, backend=recording_backend(graphs))
     loss = compiled(**args)
     grads = torch.autograd.grad(loss, [args[n] for n in trained])
     assert len(graphs) == 2  # a graph break at the op, not traced into it

@@ -57,3 +57,15 @@ def count_forward_calls(monkeypatch, function_class) -> list:
     original = function_class.forward
     monkeypatch.setattr(function_class, "forward", staticmethod(lambda ctx, *a: calls.append(1) or original(ctx, *a)))
     return calls
+
+
+def recording_backend(graphs: list):
+    """A torch.compile backend that appends each graph Dynamo hands it to ``graphs`` (graph breaks
+    show as several) and runs it with aot_eager."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    return backend
