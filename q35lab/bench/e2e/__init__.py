@@ -1,0 +1,20 @@
+"""Whole training steps of Qwen3.5 + PEFT, patched or not (``python -m q35lab.e2e``; see ``cli``).
+
+* ``model``: the configs at their real sizes (``config``, ``SIZES``) and the LoRA model (``build``);
+* ``variants``: what a step trains (``VARIANTS``, ``prepare``), the peers' patches kept apart;
+* ``timer``: device time of regions of a step (``RegionTimer``: the delta-rule core, in_proj);
+* ``step``: a training step and its measurement (``train_step``, ``measure``, ``measure_layer``);
+* ``memory``: what is alive at a step's peak (``memory_at_peak``, ``peak_breakdown``);
+* ``cli``: one process per variant, rows merged into the CSV (``main``, ``merge_rows``).
+"""
+
+from .cli import _one_variant, _parser, _sizes, main, merge_rows
+from .memory import PEAK_SOURCES, allocation_source, memory_at_peak, out_of_memory_note, peak_breakdown
+from .model import SIZES, build, config
+from .step import IN_PROJ_NAMES, measure, measure_layer, tokens, toy_corpus, train_step
+from .timer import CORE_FUNCTIONS, RegionTimer, _Stamp
+from .variants import ALL_FLAGS, VARIANTS, _axolotl_patches, prepare
+
+__all__ = ["ALL_FLAGS", "CORE_FUNCTIONS", "IN_PROJ_NAMES", "PEAK_SOURCES", "SIZES", "VARIANTS", "RegionTimer",
+           "allocation_source", "build", "config", "main", "measure", "measure_layer", "memory_at_peak", "merge_rows",
+           "out_of_memory_note", "peak_breakdown", "prepare", "tokens", "toy_corpus", "train_step"]

@@ -1,0 +1,186 @@
+"""One training step of a Qwen3.5 + PEFT model, patched or not: the end-to-end measurement.
+
+A model is built from a config (no download), wrapped by PEFT with LoRA on every linear layer,
+optionally patched (by q35lab, by Liger, or as axolotl patches it), and trained with
+gradient checkpointing under bf16 autocast, as a fine-tuning run would. For each step we record
+
+* the step's wall time (forward, backward and optimizer step, between CUDA events);
+* the share of it spent in the delta-rule core and the causal convolution — code that is not
+  ours and that no variant changes — timed by ``RegionTimer`` around those functions, forward
+  (including checkpointing's recompute) and backward; the rest is the step "outside the core";
+* the peak memory allocated, and the loss (equal across variants at the same seed);
+* with ``--memory-at-peak``, one more step with the allocator's history recorded: what is alive at
+  that step's highest point, by the code that allocated it (``peak_breakdown``).
+
+Patching libraries replace classes module-wide (Liger does), so the CLI runs every variant in a
+fresh process::
+
+    python -m q35lab.e2e --variants peft peft+liger q35lab --T 8192 32768 --out data/bench/<gpu>/end_to_end.csv
+    python -m q35lab.e2e --what layer --layers 1 --variants peft q35lab --T 8192 32768 \
+        --out data/bench/<gpu>/gdn_layer.csv        # one GatedDeltaNet, its in_proj share
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from ..core import read_csv, run_info
+from .memory import memory_at_peak, out_of_memory_note
+from .model import SIZES, build
+from .step import measure, measure_layer
+from .variants import VARIANTS, prepare
+
+
+def _sizes(args):
+    """The requested T, then with --fit longer ones until one fails: from --fit-from (default: the
+    largest T), each --fit-step times the last (multiples of 4096), up to --fit-max. Steps near
+    the limit cost the most, so starting near a predicted limit saves most of the search."""
+    yield from args.T
+    if not args.fit:
+        return
+    T = max(args.T)
+    if args.fit_from and args.fit_from > T:
+        T = min(args.fit_max, args.fit_from // 4096 * 4096)
+        yield T
+    while T < args.fit_max:
+        T = min(args.fit_max, max(T + 4096, int(T * args.fit_step) // 4096 * 4096))
+        yield T
+
+
+def _measured(model, T: int, args) -> dict:
+    """The row's measurements, or its status when the variant runs out of memory or fails."""
+    steps, warmup = (args.steps, args.warmup) if T in args.T else (1, 0)  # --fit asks only: does it fit?
+    try:
+        if args.what == "layer":
+            return dict(what="layer", **measure_layer(model, T, steps=steps, warmup=warmup))
+        row = dict(what="step", **measure(model, T, steps=steps, warmup=warmup, compile=args.compile))
+        if args.memory_at_peak and T in args.T and torch.cuda.is_available():
+            try:  # an extra, optional look: its failure must not cost the measured row
+                row.update(memory_at_peak(model, T))
+            except Exception as exc:  # (memory_at_peak has stopped the recording itself)
+                row["note"] = f"memory-at-peak failed: {type(exc).__name__}: {exc}"[:300]
+        return row
+    except torch.cuda.OutOfMemoryError as exc:
+        return dict(status="oom", note=out_of_memory_note(exc))
+    except Exception as exc:  # a variant failing is a result
+        return dict(status="error", note=f"{type(exc).__name__}: {exc}"[:300])
+
+
+def _one_variant(args) -> None:
+    """Runs in its own process: build, patch, measure every T, append JSON lines to --out."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    info = run_info()
+    model = build(args.size, args.layers, args.rank, device=device)
+    try:
+        report, missing = prepare(model, args.variant), ""
+    except ImportError as exc:  # a peer that is not installed is a row that says so
+        report, missing = None, f"not installed: {exc.name or exc}"
+    for T in _sizes(args):
+        row = {"variant": args.variant + ("+compile" if args.compile else ""), "T": T, "size": args.size,
+               "layers": model.config.get_text_config().num_hidden_layers, "rank": args.rank,
+               "status": "skipped" if missing else "ok", "note": missing,
+               "report": " ".join(str(report).split())[:300] if report else ""}
+        if not missing:
+            row.update(_measured(model, T, args))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        row.update(info)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if args.what == "layer":
+            print(f"{args.variant:22s} T={T:6d} {row['status']:5s} GatedDeltaNet fwd+bwd {row.get('layer_ms', math.nan):8.2f} ms, "
+                  f"in_proj {row.get('in_proj_ms', math.nan):8.2f} ms, core {row.get('core_ms', math.nan):8.2f} ms", flush=True)
+        else:
+            print(f"{args.variant:22s} T={T:6d} {row['status']:5s} step {row.get('step_ms', math.nan):9.1f} ms, "
+                  f"outside core {row.get('outside_core_ms', math.nan):9.1f} ms, peak {row.get('peak_gib', math.nan):6.1f} GiB",
+                  flush=True)
+        if row["status"] == "oom":
+            break  # longer sequences will not fit either (and --fit has found its limit)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m q35lab.e2e", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variants", nargs="+", default=["peft", "peft+liger", "q35lab"], choices=sorted(VARIANTS),
+                        metavar="VARIANT", help="what to train, each in a fresh process (default: peft peft+liger q35lab): "
+                        + ", ".join(sorted(VARIANTS)))
+    parser.add_argument("--T", type=int, nargs="+", default=[8192, 32768],
+                        help="sequence lengths in tokens, batch 1 (default: 8192 32768)")
+    parser.add_argument("--what", default="step", choices=["step", "layer"],
+                        help="a whole training step, or one GatedDeltaNet layer forward + backward")
+    parser.add_argument("--size", default="h200", choices=[*SIZES, "h200", "tiny"],
+                        help="model dimensions: a real Qwen3.5 size, 'h200' (the 9B's dims, --layers layers) or 'tiny'")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="decoder layers (default: all of a real size's, 4 for 'h200' and 'tiny')")
+    parser.add_argument("--compile", action="store_true", help="train torch.compile(model) (variant label +compile)")
+    parser.add_argument("--rank", type=int, default=16, help="LoRA rank on every linear layer (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=3, help="measured training steps per size (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps before them (default: %(default)s)")
+    parser.add_argument("--fit", action="store_true",
+                        help="after --T, longer sequences until one runs out of memory: the longest that fits")
+    parser.add_argument("--fit-max", type=int, default=512 * 1024,
+                        help="with --fit: the longest size tried (default: %(default)s)")
+    parser.add_argument("--fit-from", type=int, default=0, help="with --fit: the first longer size tried")
+    parser.add_argument("--fit-step", type=float, default=1.25, help="with --fit: the factor between sizes tried")
+    parser.add_argument("--memory-at-peak", action="store_true",
+                        help="at each --T, one more step recorded by the allocator: what is alive at its peak, by source")
+    parser.add_argument("--out", required=True, help="CSV to write; rows of a variant and T measured again replace theirs, others are kept "
+                        "(a .jsonl of the same name collects the rows)")
+    parser.add_argument("--variant", help=argparse.SUPPRESS)  # the child process's one variant
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.variant:
+        _one_variant(args)
+        return 0
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lines = out.with_suffix(".jsonl")
+    lines.unlink(missing_ok=True)
+    for variant in args.variants:
+        child = [sys.executable, "-m", "q35lab.e2e", "--variant", variant, "--out", str(lines), "--what", args.what,
+                 "--size", args.size,
+                 *(["--layers", str(args.layers)] if args.layers else []), *(["--compile"] if args.compile else []),
+                 "--rank", str(args.rank), "--steps", str(args.steps),
+                 "--warmup", str(args.warmup), "--fit-max", str(args.fit_max), "--fit-from", str(args.fit_from),
+                 "--fit-step", str(args.fit_step), *(["--fit"] if args.fit else []),
+                 *(["--memory-at-peak"] if args.memory_at_peak else []),
+                 "--T", *map(str, args.T)]
+        if subprocess.run(child).returncode != 0:  # one row per size asked for, so that it replaces theirs
+            with open(lines, "a") as f:
+                for T in args.T:
+                    f.write(json.dumps({"variant": variant, "T": T, "status": "error", "note": "the process failed"}) + "\n")
+    rows = [json.loads(line) for line in lines.read_text().splitlines()] if lines.exists() else []
+    merge_rows(out, rows).to_csv(out, index=False, float_format="%.5g")
+    lines.unlink(missing_ok=True)
+    return 0
+
+
+def merge_rows(path: Path, rows: list[dict]):
+    """This run's rows, after the rows already in ``path`` that it did not measure again (another
+    variant, or another T of the same variant): results gathered over several device calls."""
+    import pandas as pd
+
+    def integer_sizes(frame):  # a row without T would make the column float, written as 1.3107e+05
+        if "T" in frame.columns:
+            frame["T"] = frame["T"].astype("Int64")
+        return frame
+
+    new = integer_sizes(pd.DataFrame(rows))
+    if not path.exists() or path.stat().st_size == 0:
+        return new
+    old = integer_sizes(read_csv(path))
+    # a row is (variant, T) of one model: its size and layers where both frames record them
+    key = [c for c in ("variant", "T", "size", "layers") if c in old.columns and c in new.columns]
+    if {"variant", "T"} <= set(key):
+        measured = set(new[key].astype(str).itertuples(index=False, name=None))
+        old = old[[k not in measured for k in old[key].astype(str).itertuples(index=False, name=None)]]
+    return integer_sizes(pd.concat([old, new], ignore_index=True))

@@ -1,0 +1,88 @@
+"""Memory at a step's peak: what is alive there, by the code that allocated it; what an
+out-of-memory error says."""
+
+from __future__ import annotations
+
+import collections
+import json
+import traceback
+from pathlib import Path
+
+import torch
+
+from .step import _training_setup, tokens, train_step
+
+
+#: Where an allocation comes from: the innermost Python frame in one of these places (not the
+#: harness's own wrappers, which sit around everything).
+PEAK_SOURCES = (("/q35lab/ops/", "q35lab"), ("/q35lab/patch.py", "q35lab"), ("liger_kernel", "liger"),
+                ("/axolotl/", "axolotl"), ("/peft/", "peft"), ("/transformers/", "transformers"),
+                ("torch/utils/checkpoint", "checkpoint"), ("torch/optim", "optimizer"))
+
+
+def allocation_source(frames: list[dict]) -> str:
+    """``package:function`` of the innermost frame from ``PEAK_SOURCES`` (frames innermost first)."""
+    for frame in frames:
+        path = frame["filename"].replace("\\", "/")
+        for marker, package in PEAK_SOURCES:
+            if marker in path:
+                return f"{package}:{frame['name']}"
+    return "other Python" if frames else "no Python frame (autograd's own backward ops)"
+
+
+def peak_breakdown(events: list[dict], top: int = 12) -> tuple[int, list[tuple[str, int]]]:
+    """Bytes alive at the highest point of a CUDA allocator trace, by ``allocation_source``.
+
+    ``events``: one device's ``torch.cuda.memory._snapshot()["device_traces"]``; ``alloc`` adds a
+    block, ``free_completed`` removes it. Blocks allocated before the recording began (weights,
+    optimizer state) are not in it: the peak is the step's own, above what it started with.
+    Returns (peak bytes, [(source, bytes)] largest first)."""
+    total = peak = 0
+    peak_index = -1
+    for i, event in enumerate(events):
+        if event["action"] == "alloc":
+            total += event["size"]
+        elif event["action"] == "free_completed":
+            total -= event["size"]
+        if total > peak:
+            peak, peak_index = total, i
+    live = {}
+    for event in events[:peak_index + 1]:  # replay up to the peak: the blocks alive there
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+        elif event["action"] == "free_completed":
+            live.pop(event["addr"], None)
+    by_source = collections.Counter()
+    for event in live.values():
+        by_source[allocation_source(event.get("frames", []))] += event["size"]
+    return peak, by_source.most_common(top)
+
+
+def memory_at_peak(model, T: int, lr: float = 1e-4) -> dict:
+    """One more training step at ``T`` with the CUDA allocator's history recorded (Python stacks):
+    the step's peak above its starting point and its largest sources (MiB), as CSV columns."""
+    device, vocab, optimizer = _training_setup(model, lr)
+    ids = tokens(T, vocab, device, seed=0)
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(stacks="python", max_entries=2_000_000)
+    try:
+        start = torch.cuda.memory_allocated()
+        train_step(model, optimizer, ids)
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    peak, sources = peak_breakdown(snapshot["device_traces"][device.index or 0])
+    return {"step_start_gib": start / 2**30, "step_peak_above_start_gib": peak / 2**30,
+            "peak_sources_mib": json.dumps({name: round(size / 2**20) for name, size in sources})}
+
+
+def out_of_memory_note(exc: BaseException) -> str:
+    """Where the allocation that failed was made (the innermost three frames) and the allocator's
+    own account: the size asked for, what was in use, and what was reserved but unallocated (a
+    large remainder there means fragmentation, not a lack of memory). PyTorch's advice is dropped."""
+    frames = traceback.extract_tb(exc.__traceback__)[-3:]
+    where = " < ".join(f"{frame.name} ({Path(frame.filename).name}:{frame.lineno})" for frame in reversed(frames))
+    message = " ".join(str(exc).split())
+    account = message.split(" If reserved but unallocated")[0].split(" See documentation")[0]
+    return f"out of memory in {where}: {account}"[:600]

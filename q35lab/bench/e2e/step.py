@@ -1,0 +1,114 @@
+"""A training step, and its measurement: wall time, the delta-rule core's share, peak memory, losses;
+one GatedDeltaNet layer alone with its in_proj share."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import torch
+
+from .timer import RegionTimer, _Stamp
+
+
+def toy_corpus(n_sequences: int, length: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    """``[n_sequences, length]`` token ids a tiny model learns in a few hundred CPU steps.
+
+    Each sequence is an arithmetic progression modulo the vocabulary, ``x_{t+1} = (x_t + k) mod V``,
+    with a random start and a step ``k`` from {1, 2, 3, 5, 7}: the first token is a guess (ln V),
+    the second one of five, the rest follow. A model that learns the rule brings the mean loss
+    from ln V to about (ln V + ln 5) / length.
+    """
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    start = torch.randint(0, vocab, (n_sequences, 1), generator=generator)
+    steps = torch.tensor([1, 2, 3, 5, 7])[torch.randint(0, 5, (n_sequences, 1), generator=generator)]
+    return (start + steps * torch.arange(length)) % vocab
+
+
+def tokens(T: int, vocab: int, device, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randint(0, vocab, (1, T), generator=generator).to(device)
+
+
+def train_step(model, optimizer, input_ids: torch.Tensor) -> float:
+    """Forward with labels under bf16 autocast, backward, optimizer step; returns the loss."""
+    with torch.autocast(device_type=input_ids.device.type, dtype=torch.bfloat16):
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach().float().item()
+
+
+def _training_setup(model, lr: float):
+    """The model's device, its vocabulary size (for random tokens) and a fresh AdamW over its
+    trainable parameters: what every measured step starts from."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    return next(model.parameters()).device, model.get_input_embeddings().weight.shape[0], optimizer
+
+
+def measure(model, T: int, steps: int = 3, warmup: int = 1, lr: float = 1e-4, compile: bool = False) -> dict:
+    """Median step time and core time over ``steps`` steps after ``warmup``; peak memory; losses.
+    ``compile``: the steps run ``torch.compile(model)`` (its compilation falls in the warm-up)."""
+    device, vocab, optimizer = _training_setup(model, lr)
+    step_model = torch.compile(model) if compile else model
+    timer = RegionTimer()
+    losses, step_ms, core_ms = [], [], []
+    on_gpu = device.type == "cuda"
+    with timer.functions(model) as n_wrapped:
+        for i in range(warmup + steps):
+            ids = tokens(T, vocab, device, seed=i)
+            if on_gpu:
+                torch.cuda.synchronize()
+                if i == warmup:
+                    torch.cuda.reset_peak_memory_stats()
+            timer.start(device.type)
+            start = _Stamp(device.type)
+            losses.append(train_step(step_model, optimizer, ids))
+            end = _Stamp(device.type)
+            if i >= warmup:
+                step_ms.append(start.ms_until(end))
+                core_ms.append(timer.total_ms())
+    step, core = statistics.median(step_ms), statistics.median(core_ms)
+    return {
+        "step_ms": step, "core_ms": core, "outside_core_ms": step - core,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else math.nan,
+        "loss_first": losses[0], "losses": json.dumps([round(v, 5) for v in losses]), "core_functions": n_wrapped,
+    }
+
+
+IN_PROJ_NAMES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+
+def measure_layer(model, T: int, steps: int = 3, warmup: int = 1) -> dict:
+    """The model's first GatedDeltaNet alone, forward + backward under bf16 autocast at ``T``
+    tokens: its time, and how much of it its four in_proj projections and its delta-rule core
+    (with the causal convolution) take, each timed as regions (see ``RegionTimer``)."""
+    device = next(model.parameters()).device
+    gdn = next(m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+    hidden = gdn.in_proj_qkv.in_features
+    in_proj, core = RegionTimer(), RegionTimer()
+    layer_ms, in_proj_ms, core_ms = [], [], []
+    with in_proj.modules([getattr(gdn, name) for name in IN_PROJ_NAMES]), core.functions(model):
+        for i in range(warmup + steps):
+            generator = torch.Generator(device="cpu").manual_seed(i)
+            x = torch.randn(1, T, hidden, generator=generator).to(device, torch.bfloat16).requires_grad_()
+            dy = torch.randn(1, T, hidden, generator=generator).to(device, torch.bfloat16)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            in_proj.start(device.type)
+            core.start(device.type)
+            start = _Stamp(device.type)
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+                out = gdn(x)
+            (out[0] if isinstance(out, tuple) else out).backward(dy)
+            end = _Stamp(device.type)
+            model.zero_grad(set_to_none=True)
+            if i >= warmup:
+                layer_ms.append(start.ms_until(end))
+                in_proj_ms.append(in_proj.total_ms())
+                core_ms.append(core.total_ms())
+    layer, proj, delta = (statistics.median(v) for v in (layer_ms, in_proj_ms, core_ms))
+    return {"layer_ms": layer, "in_proj_ms": proj, "in_proj_share": proj / layer, "core_ms": delta,
+            "core_share": delta / layer}
