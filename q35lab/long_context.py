@@ -1,0 +1,1017 @@
+"""Long-context memory for Qwen3.5 LoRA training: a sequence-tiled MLP, decoder-layer checkpoints
+offloaded to host memory, and the memory-per-token model that says how long a step fits.
+
+Under gradient checkpointing a training step's peak is linear in the tokens T::
+
+    peak ≈ fixed + T · bytes_per_token
+    bytes_per_token = (layers whose checkpoint input is on the GPU) · H · e     checkpoint inputs
+                    + max over phases of one layer's backward working set      (MLP, GatedDeltaNet, attention)
+                    + the loss's per-token tensors                            (the logits are chunked)
+
+with H the hidden size and e the activation's bytes (2 in bf16): 32 · 4096 · 2 = 256 KiB a token
+of checkpoint inputs for Qwen3.5-9B. The two remedies are those of Arctic Long Sequence Training
+(Snowflake, arXiv 2506.13996):
+
+* ``tiled_mlp`` computes the MLP a tile of the sequence at a time and recomputes each tile in
+  the backward, so its working set is one tile's ``[tile, I]`` intermediates instead of T's
+  (the MLP is per token, so this is exact);
+* ``offload_decoder_layers`` / ``offloaded_checkpoints`` move the checkpoint inputs (one
+  ``[B, T, H]`` hidden state per decoder layer) to host memory during the forward, on a side
+  CUDA stream, and bring them back during the backward, the next layer's prefetched.
+
+``bytes_per_token`` predicts the slope term by term for a Qwen3.5 config (LoRA, gradient
+checkpointing, q35lab's kernels, fla's delta-rule core, SDPA attention); ``longest_fit`` turns
+it into the longest step on a GPU. Nothing here launches a kernel: the pieces are PyTorch
+autograd and stream plumbing, and run on a CPU (where the "offload" is a copy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import numbers
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from .ops._autograd import first_order_only
+from .ops._compile import opaque_to_compile
+
+__all__ = [
+    "tiled_mlp",
+    "TiledMLPFunction",
+    "TiledMLPForward",
+    "tile_mlp",
+    "untile_mlp",
+    "tile_mlps",
+    "untile_mlps",
+    "MLP_CLASSES",
+    "CheckpointOffloader",
+    "offloaded_checkpoints",
+    "offload_decoder_layers",
+    "restore_decoder_layers",
+    "MIN_OFFLOAD_BYTES",
+    "HOST_CHUNK_BYTES",
+    "host_memory_available",
+    "MemoryModel",
+    "bytes_per_token",
+    "parameter_count",
+    "lora_parameter_count",
+    "plan_offload_layers",
+    "H200_USABLE_BYTES",
+]
+
+GiB = 2**30
+KiB = 2**10
+
+
+# ==============================================================================================
+# 1. The sequence-tiled MLP
+# ==============================================================================================
+class _Tiles:
+    """What the tiled MLP's backward needs besides tensors: the MLP, the tiling, the autocast
+    state of the forward and each tile's RNG state (plain attributes: never saved tensors)."""
+
+    def __init__(self, fn, tile: int, preserve_rng_state: bool, device: torch.device):
+        self.fn, self.tile, self.preserve_rng_state = fn, tile, preserve_rng_state
+        self.device_type = device.type
+        # the device whose RNG dropout draws from (none for a CPU input: the CPU state is always kept)
+        self.rng_devices = [device.index if device.index is not None else 0] if device.type not in ("cpu", "meta") else []
+        self.autocast = _autocast_state(device.type)
+        self.rng_states: list = []
+        self.stash = None  # the _StashInput node that holds x, when there is one
+
+    def bounds(self, tokens: int):
+        return [(start, min(start + self.tile, tokens)) for start in range(0, tokens, self.tile)]
+
+    def record_rng(self) -> None:
+        device_states = [_device_module(self.device_type).get_rng_state(d) for d in self.rng_devices]
+        self.rng_states.append((torch.get_rng_state(), device_states))
+
+    def restore_rng(self, index: int) -> None:
+        cpu_state, device_states = self.rng_states[index]
+        torch.set_rng_state(cpu_state)
+        for d, state in zip(self.rng_devices, device_states):
+            _device_module(self.device_type).set_rng_state(state, d)
+
+
+def _device_module(device_type: str):
+    return getattr(torch, device_type)
+
+
+def _autocast_state(device_type: str) -> dict:
+    """The autocast state of the forward, to be re-entered by the recompute (the backward runs on
+    another thread on CUDA, and outside the caller's ``autocast`` block on the CPU)."""
+    state = {"cpu": dict(enabled=torch.is_autocast_enabled("cpu"), dtype=torch.get_autocast_dtype("cpu"),
+                         cache_enabled=torch.is_autocast_cache_enabled())}
+    if device_type != "cpu" and torch.amp.is_autocast_available(device_type):
+        state[device_type] = dict(enabled=torch.is_autocast_enabled(device_type),
+                                  dtype=torch.get_autocast_dtype(device_type),
+                                  cache_enabled=torch.is_autocast_cache_enabled())
+    return state
+
+
+@contextlib.contextmanager
+def _autocast(state: dict):
+    with contextlib.ExitStack() as stack:
+        for device_type, kwargs in state.items():
+            stack.enter_context(torch.amp.autocast(device_type, **kwargs))
+        yield
+
+
+def _run_tiles(tiles: _Tiles, x: torch.Tensor, record_rng: bool) -> torch.Tensor:
+    """``fn`` over each tile of ``x`` (along dim -2), written into one output."""
+    tokens = x.shape[-2]
+    out = None
+    for start, end in tiles.bounds(tokens):
+        if record_rng:
+            tiles.record_rng()
+        piece = x[..., start:end, :]
+        y = tiles.fn(piece)
+        if not isinstance(y, torch.Tensor) or y.dim() != piece.dim() or y.shape[:-1] != piece.shape[:-1]:
+            got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
+            raise ValueError(f"mlp_forward: expected a tensor of shape {tuple(piece.shape[:-1])} + (N,) for a tile "
+                             f"of shape {tuple(piece.shape)} (a per-token map), got {got}")
+        if out is None:
+            out = y.new_empty((*x.shape[:-2], tokens, y.shape[-1]))
+        out[..., start:end, :].copy_(y)
+    return out
+
+
+class _StashInput(torch.autograd.Function):
+    """Saves the tiled MLP's input as its own autograd node, *before* any tile is computed.
+
+    Why a node of its own: under non-reentrant gradient checkpointing of the decoder layer, the
+    layer's recompute stops (early stop, PyTorch's default) as soon as the last tensor the
+    original forward saved has been saved again. In a Qwen3.5 layer that last tensor is the
+    MLP's input (the residual add after the MLP saves nothing). A Function's own
+    ``save_for_backward`` is packed only after its forward has returned, so the recompute would
+    run every tile's forward once more, for nothing; saved here, the pack comes first and the
+    recompute stops before the tiles.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.view_as(x)  # internal: only TiledMLPFunction reads it
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class TiledMLPFunction(torch.autograd.Function):
+    """``y[..., s:e, :] = fn(x[..., s:e, :])`` for each tile ``[s, e)`` of the sequence.
+
+    Forward (grad disabled): each tile's output is written into one ``[..., T, N]`` buffer; no
+    tile's intermediates are kept. Backward: for each tile, the RNG state recorded before its
+    forward is restored, its forward is recomputed with grad under the forward's autocast state,
+    and ``autograd.grad`` of its slice of ``dy`` gives the tile's ``dx`` (written into one
+    ``[..., T, H]`` buffer) and its parameter gradients, summed over tiles (in fp32 for 16-bit
+    parameters, cast once). Parameters are inputs of this node, so ``autograd.grad`` of the loss
+    with respect to them, gradient hooks and accumulation behave as for the untiled MLP.
+    """
+
+    @staticmethod
+    def forward(ctx, tiles: _Tiles, x: torch.Tensor, *params: torch.Tensor):
+        out = _run_tiles(tiles, x, record_rng=tiles.preserve_rng_state)
+        ctx.tiles = tiles
+        ctx.params = params  # references, not saved tensors: no pack, no recompute of a parameter
+        if tiles.stash is None:
+            ctx.save_for_backward(x)
+        return out
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad_out):
+        tiles = ctx.tiles
+        (x,) = tiles.stash.saved_tensors if tiles.stash is not None else ctx.saved_tensors
+        want_x = ctx.needs_input_grad[1]
+        wanted = [i for i, p in enumerate(ctx.params) if ctx.needs_input_grad[2 + i]]
+        dx = torch.empty_like(x) if want_x else None
+        sums: dict[int, torch.Tensor] = {}
+        with torch.random.fork_rng(devices=tiles.rng_devices, enabled=tiles.preserve_rng_state,
+                                   device_type=tiles.device_type if tiles.rng_devices else "cuda"):
+            for index, (start, end) in enumerate(tiles.bounds(x.shape[-2])):
+                if tiles.preserve_rng_state:
+                    tiles.restore_rng(index)
+                with torch.enable_grad(), _autocast(tiles.autocast):
+                    piece = x[..., start:end, :].detach().requires_grad_(want_x)
+                    y = tiles.fn(piece)
+                inputs = ([piece] if want_x else []) + [ctx.params[i] for i in wanted]
+                grads = torch.autograd.grad(y, inputs, grad_out[..., start:end, :], allow_unused=True)
+                if want_x:
+                    dx[..., start:end, :].copy_(grads[0])
+                    grads = grads[1:]
+                for i, g in zip(wanted, grads):
+                    if g is None:
+                        continue
+                    if i not in sums:
+                        sums[i] = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g.clone()
+                    else:
+                        sums[i].add_(g)
+        param_grads = []
+        for i, p in enumerate(ctx.params):
+            g = sums.get(i)
+            param_grads.append(None if g is None else g.to(p.dtype))
+        return (None, dx, *param_grads)
+
+
+def _check_tile_tokens(tile_tokens: object) -> int:
+    if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, numbers.Integral):
+        raise TypeError(f"tile_tokens: expected a positive int (tokens per tile), got {tile_tokens!r}")
+    if tile_tokens < 1:
+        raise ValueError(f"tile_tokens: expected a positive int (tokens per tile), got {tile_tokens}")
+    return int(tile_tokens)
+
+
+def _parameters_of(fn) -> list[torch.Tensor] | None:
+    """The trainable parameters ``fn`` computes with, when it says (a module, a bound method of
+    one, or one of q35lab's forward objects holding ``.module``); else None."""
+    owner = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "module", getattr(fn, "__self__", None))
+    if isinstance(owner, torch.nn.Module):
+        return [p for p in owner.parameters() if p.requires_grad]
+    return None
+
+
+@opaque_to_compile  # Python callables inside an autograd Function, per-tile RNG state: eager code
+def tiled_mlp(mlp_forward, x: torch.Tensor, tile_tokens: int, *, params=None,
+              preserve_rng_state: bool = True) -> torch.Tensor:
+    """``mlp_forward(x)`` computed ``tile_tokens`` positions of the sequence (dim -2) at a time.
+
+    ``mlp_forward`` maps ``[..., t, H]`` to ``[..., t, N]`` token by token (an MLP: transformers'
+    ``Qwen3_5MLP``, the patched one with its LoRA adapters, any per-token callable). It is run
+    once per tile in the forward, without grad, and once more per tile in the backward, with
+    grad; nothing but ``x`` is kept between the two. ``params``: the tensors whose gradients
+    flow through ``mlp_forward`` (default: the trainable parameters of the module it is, or is a
+    method of, or holds as ``.module``; a plain function must pass them, ``()`` if none).
+
+    Memory, per token (e = activation bytes, I = the MLP's width, 12288 in the 9B): the untiled
+    q35lab MLP keeps ``x`` (H·e), gate/up (2I·e) and the SwiGLU output (I·e) until its backward,
+    and its backward adds dh (I·e): (H + 4I)·e = 104 KiB a token in bf16. Tiled, the whole
+    sequence holds only ``x`` and ``dx`` (2H·e = 16 KiB a token); the (H + 4I)·e working set
+    exists for one tile at a time.
+
+    Passes under the decoder layer's (non-reentrant) gradient checkpointing: forward 1 (tiles, no
+    grad), the layer's recompute 0 (it stops at the saving of ``x``, which is made the layer's
+    last saved tensor on purpose, see ``_StashInput``), backward 1 forward + 1 backward per tile
+    — the same MLP FLOPs as the untiled MLP under checkpointing (forward, recompute, backward).
+    With early stop disabled (``torch.utils.checkpoint.set_checkpoint_early_stop(False)``) the
+    recompute runs the tiles' forward too: correct, one MLP forward more. Without outer
+    checkpointing the tiling costs one MLP forward more than the untiled MLP.
+
+    Dropout (LoRA dropout in train mode): the CPU RNG state and the input device's are recorded
+    before each tile's forward and restored before its recompute, so each tile's masks are the
+    same in both (as ``torch.utils.checkpoint``'s ``preserve_rng_state``); the global RNG state
+    after the backward is left as it was (``fork_rng``). The masks differ from the untiled MLP's
+    (a tile draws its own), as with any change of batch shape. Autocast: the forward's state is
+    re-entered by the recompute. Frozen or trainable parameters, ``retain_graph`` and
+    ``autograd.grad`` work; a second derivative raises (first order only).
+
+    ``tile_tokens`` ≥ T, no tokens, or nothing requiring grad under grad mode: ``mlp_forward(x)``
+    as it is (the last without grad: tile by tile).
+    """
+    if not callable(mlp_forward):
+        raise TypeError(f"mlp_forward: expected a callable, got {type(mlp_forward).__name__}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 2:
+        raise ValueError(f"x: expected [..., T, H] (at least 2 dimensions), got shape {tuple(x.shape)}")
+    tile = _check_tile_tokens(tile_tokens)
+    tokens = x.shape[-2]
+    if tile >= tokens or tokens == 0:
+        return mlp_forward(x)
+    if params is None:
+        params = _parameters_of(mlp_forward)
+        if params is None:
+            raise TypeError("params: mlp_forward is neither a module nor holds one; pass the tensors its gradients "
+                            "flow to (params=() if none)")
+    params = tuple(params)
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"params[{i}]: expected a torch.Tensor, got {type(p).__name__}")
+    tiles = _Tiles(mlp_forward, tile, bool(preserve_rng_state), x.device)
+    needs_graph = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
+    if not needs_graph:
+        with torch.no_grad():
+            return _run_tiles(tiles, x, record_rng=False)
+    if x.requires_grad:
+        x = _StashInput.apply(x)
+        tiles.stash = x.grad_fn
+    return TiledMLPFunction.apply(tiles, x, *params)
+
+
+#: Modules whose forward is a per-token MLP that ``tile_mlps`` tiles (transformers' classes).
+MLP_CLASSES = ("Qwen3_5MLP", "Qwen3_5MoeMLP")
+
+
+class TiledMLPForward:
+    """An MLP's instance-level forward that tiles the forward it replaced (q35lab's patched one,
+    or the class's own). An object holding its module, as q35lab's other forwards (see
+    ``q35lab.patch._Forward``): ``copy.deepcopy`` binds the copy to the copied module, ``pickle``
+    stores it by class. Calls with extra arguments go to the wrapped forward untiled."""
+
+    __name__ = "forward"
+
+    def __init__(self, module: torch.nn.Module, tile_tokens: int, inner=None):
+        self.module = module
+        self.tile_tokens = _check_tile_tokens(tile_tokens)
+        self.inner = inner  # the instance-level forward replaced (None: the class's)
+
+    @property
+    def __wrapped__(self):
+        return type(self.module).forward.__get__(self.module)
+
+    def __repr__(self) -> str:
+        return f"<q35lab TiledMLPForward of {type(self.module).__name__}, {self.tile_tokens} tokens a tile>"
+
+    def untiled(self, x, *args, **kwargs):
+        if self.inner is not None:
+            return self.inner(x, *args, **kwargs)
+        return type(self.module).forward(self.module, x, *args, **kwargs)
+
+    def __call__(self, x, *args, **kwargs):
+        if args or kwargs or not isinstance(x, torch.Tensor) or x.dim() < 2:
+            return self.untiled(x, *args, **kwargs)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        return tiled_mlp(self.untiled, x, self.tile_tokens, params=params)
+
+
+def tile_mlp(mlp: torch.nn.Module, tile_tokens: int) -> bool:
+    """Give ``mlp`` a ``TiledMLPForward`` around its current forward; True if it had none (an
+    existing one just takes the new tile size). Call after any patch that sets the MLP's forward
+    (``apply_to_qwen3_5``'s swiglu), and ``untile_mlp`` before undoing that patch."""
+    tile_tokens = _check_tile_tokens(tile_tokens)
+    current = vars(mlp).get("forward")
+    if isinstance(current, TiledMLPForward):
+        current.tile_tokens = tile_tokens
+        return False
+    mlp.forward = TiledMLPForward(mlp, tile_tokens, inner=current)
+    return True
+
+
+def untile_mlp(mlp: torch.nn.Module) -> bool:
+    """Put back the forward ``tile_mlp`` wrapped; True if there was a tiled one."""
+    current = vars(mlp).get("forward")
+    if not isinstance(current, TiledMLPForward):
+        return False
+    if current.inner is None:
+        del mlp.forward
+    else:
+        mlp.forward = current.inner
+    return True
+
+
+def _is_mlp(module: torch.nn.Module) -> bool:
+    cls = type(module)
+    return cls.__name__ in MLP_CLASSES and cls.__module__.startswith("transformers.")
+
+
+def tile_mlps(model: torch.nn.Module, tile_tokens: int) -> int:
+    """``tile_mlp`` on every Qwen3.5 MLP of ``model`` (PEFT wrappers included); how many were new."""
+    return sum(tile_mlp(m, tile_tokens) for m in model.modules() if _is_mlp(m))
+
+
+def untile_mlps(model: torch.nn.Module) -> int:
+    return sum(untile_mlp(m) for m in model.modules() if _is_mlp(m))
+
+
+# ==============================================================================================
+# 2. Checkpoint inputs offloaded to host memory
+# ==============================================================================================
+#: Saved tensors smaller than this stay where they are (a [B, T, H] bf16 checkpoint at H = 4096
+#: passes it from T = 128 tokens on).
+MIN_OFFLOAD_BYTES = 2**20
+
+#: Host copies are made of pinned blocks of at most this size. PyTorch's pinned-memory allocator
+#: rounds every request up to a power of two (``CachingHostAllocator``): one block per [T, H]
+#: tensor would waste up to half the host memory (3 GiB → 4 GiB at T = 384k); blocks of 64 MiB
+#: waste at most one block's rounding per tensor.
+HOST_CHUNK_BYTES = 64 * 2**20
+
+
+class _Kept:
+    """A saved tensor left on its device, in the offloader's chain so that its unpacking
+    prefetches the one saved before it."""
+
+    __slots__ = ("tensor", "prev", "__weakref__")
+
+    def __init__(self, tensor, prev):
+        self.tensor, self.prev = tensor, prev
+
+
+class _HostCopy:
+    """A saved tensor's copy in host memory (pinned blocks for a CUDA tensor), with what it takes
+    to bring it back: its shape, dtype and device, the D2H copy's event, and a prefetched copy."""
+
+    __slots__ = ("chunks", "shape", "dtype", "device", "d2h", "prev", "fetched", "h2d", "__weakref__")
+
+    def __init__(self, chunks, shape, dtype, device, d2h, prev):
+        self.chunks, self.shape, self.dtype, self.device, self.d2h, self.prev = chunks, shape, dtype, device, d2h, prev
+        self.fetched, self.h2d = None, None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.numel() * c.element_size() for c in self.chunks)
+
+
+class CheckpointOffloader:
+    """Saved-tensor hooks that keep large saved tensors in host memory between forward and backward.
+
+    Used around each decoder layer's call (``offload_decoder_layers``), the only tensor they see
+    is the layer's checkpoint input: non-reentrant ``torch.utils.checkpoint`` saves its tensor
+    arguments — transformers passes exactly one, the hidden state ``[B, T, H]`` — under the hooks
+    active at the call, while everything the layer saves inside is caught by the checkpoint's own
+    (innermost) hooks and recomputed. Used around a whole forward (``offloaded_checkpoints``) they
+    see every tensor saved outside a checkpoint (the checkpoint inputs, the final norm's input,
+    the fused loss's dx).
+
+    pack (forward): a tensor of at least ``min_bytes`` that is not a parameter (nor a view of one)
+    is copied, on a side CUDA stream that first waits for the compute stream, into pinned host
+    blocks of ``HOST_CHUNK_BYTES``; ``record_stream`` keeps its device memory from being reused
+    before the copy is done, and autograd then holds only the host copy. unpack (backward): the
+    copy comes back on the side stream (or was already prefetched), the compute stream waits for
+    it, and the tensor saved just before it in the same chain (the previous layer's checkpoint
+    input, needed next) is prefetched. On a CPU the copies are plain host tensors (distinct from
+    the originals) and the prefetch is an early assembly, so the logic runs and is tested there.
+
+    Per token: each offloaded layer moves H·e bytes (8 KiB in the 9B's bf16) to the host, and at
+    most two come back at a time (the layer being recomputed and the next one). Host memory is
+    the limit: 32 layers · 8 KiB · 512k tokens = 128 GiB, all of a 128 GiB host; offload a count
+    that fits (``plan_offload_layers``) and keep the rest on the GPU.
+
+    Unpacked tensors are contiguous (a strided saved tensor loses its strides). ``stats`` counts
+    packed, offloaded (and their bytes), kept, unpacked and prefetched tensors.
+    """
+
+    def __init__(self, *, min_bytes: int = MIN_OFFLOAD_BYTES, layers: int | None = None, prefetch: bool = True,
+                 pin_memory: bool | None = None, chunk_bytes: int = HOST_CHUNK_BYTES):
+        if isinstance(min_bytes, bool) or not isinstance(min_bytes, numbers.Integral) or min_bytes < 0:
+            raise ValueError(f"min_bytes: expected an int ≥ 0, got {min_bytes!r}")
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, numbers.Integral) or chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes: expected a positive int, got {chunk_bytes!r}")
+        self.min_bytes, self.layers, self.prefetch = int(min_bytes), layers, bool(prefetch)
+        self.pin_memory, self.chunk_bytes = pin_memory, int(chunk_bytes)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.stats = Counter()
+        self._last = None  # weak reference to the handle packed last in this chain
+        self._streams: dict = {}
+        self._offloading = True
+        self._model = None  # weak reference to the model whose parameters are never offloaded
+        self._parameter_storages: set = set()
+
+    def exclude_parameters_of(self, model: torch.nn.Module) -> None:
+        """Never offload a tensor that shares memory with one of ``model``'s parameters (a view of
+        packed weights, a weight saved by a GEMM); read again at each new chain."""
+        self._model = weakref.ref(model)
+        self.new_chain()
+
+    def __getstate__(self) -> dict:  # a copy keeps the settings, not the streams or this step's chain
+        return {k: getattr(self, k) for k in ("min_bytes", "layers", "prefetch", "pin_memory", "chunk_bytes")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._reset()
+
+    def __repr__(self) -> str:
+        return (f"CheckpointOffloader(min_bytes={self.min_bytes}, layers={self.layers}, prefetch={self.prefetch}, "
+                f"stats={dict(self.stats)})")
+
+    # -- the chain: tensors in the order packed; unpacking one prefetches its predecessor --------
+    def new_chain(self) -> None:
+        self._last = None
+        model = self._model() if self._model is not None else None
+        if model is not None:
+            self._parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    @contextlib.contextmanager
+    def hooks(self, offload: bool = True):
+        """The saved-tensor hooks, offloading (or, ``offload=False``, only chaining) what they pack."""
+        previous, self._offloading = self._offloading, bool(offload)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                yield self
+        finally:
+            self._offloading = previous
+
+    def _wanted(self, t: torch.Tensor) -> bool:
+        if t.layout != torch.strided or t.device.type == "meta" or isinstance(t, torch.nn.Parameter):
+            return False
+        if isinstance(t._base, torch.nn.Parameter):
+            return False
+        if t.numel() * t.element_size() < self.min_bytes:
+            return False
+        return not (self._parameter_storages and t.untyped_storage().data_ptr() in self._parameter_storages)
+
+    def _stream(self, device: torch.device):
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    def pack(self, t: torch.Tensor):
+        self.stats["packed"] += 1
+        prev = self._last
+        if not (self._offloading and self._wanted(t)):
+            handle = _Kept(t.detach(), prev)  # detached: no reference cycle through an output's grad_fn
+            self.stats["kept"] += 1
+        else:
+            handle = self._to_host(t, prev)
+            self.stats["offloaded"] += 1
+            self.stats["offloaded_bytes"] += t.numel() * t.element_size()
+        self._last = weakref.ref(handle)
+        return handle
+
+    def _to_host(self, t: torch.Tensor, prev) -> _HostCopy:
+        src = t.detach()
+        if not src.is_contiguous():
+            src = src.contiguous()
+        flat = src.view(-1)
+        step = max(1, self.chunk_bytes // max(1, src.element_size()))
+        if src.device.type != "cuda":
+            chunks = [flat[i:i + step].clone() for i in range(0, flat.numel(), step)]
+            return _HostCopy(chunks, src.shape, src.dtype, src.device, None, prev)
+        pin = True if self.pin_memory is None else bool(self.pin_memory)
+        current = torch.cuda.current_stream(src.device)
+        side = self._stream(src.device)
+        side.wait_stream(current)  # the tensor is complete on the compute stream
+        chunks = []
+        with torch.cuda.stream(side):
+            for i in range(0, flat.numel(), step):
+                piece = flat[i:i + step]
+                host = torch.empty(piece.numel(), dtype=src.dtype, pin_memory=pin)
+                host.copy_(piece, non_blocking=pin)
+                chunks.append(host)
+            d2h = torch.cuda.Event()
+            d2h.record(side)
+        src.record_stream(side)  # its memory is not reused before the copy has read it
+        return _HostCopy(chunks, src.shape, src.dtype, src.device, d2h, prev)
+
+    def _fetch(self, h: _HostCopy) -> None:
+        """Start bringing ``h`` back (an event to wait on, on CUDA; assembled at once on a CPU)."""
+        if h.device.type != "cuda":
+            h.fetched = torch.cat(h.chunks).view(h.shape) if h.chunks else torch.empty(h.shape, dtype=h.dtype)
+            return
+        side = self._stream(h.device)
+        with torch.cuda.stream(side):
+            side.wait_event(h.d2h)
+            out = torch.empty(h.shape, dtype=h.dtype, device=h.device)  # from the side stream's pool
+            flat, start = out.view(-1), 0
+            for host in h.chunks:
+                flat[start:start + host.numel()].copy_(host, non_blocking=True)
+                start += host.numel()
+            h2d = torch.cuda.Event()
+            h2d.record(side)
+        h.fetched, h.h2d = out, h2d
+
+    def unpack(self, handle):
+        self.stats["unpacked"] += 1
+        if isinstance(handle, _Kept):
+            out = handle.tensor
+        else:
+            if handle.fetched is None:
+                self._fetch(handle)
+            out, handle.fetched = handle.fetched, None  # a retained graph fetches again next time
+            if handle.device.type == "cuda":
+                current = torch.cuda.current_stream(handle.device)
+                current.wait_event(handle.h2d)
+                out.record_stream(current)
+        prev = handle.prev() if handle.prev is not None else None
+        if self.prefetch and isinstance(prev, _HostCopy) and prev.fetched is None:
+            self._fetch(prev)
+            self.stats["prefetched"] += 1
+        return out
+
+
+@contextlib.contextmanager
+def offloaded_checkpoints(model: torch.nn.Module | None = None, *, offloader: CheckpointOffloader | None = None,
+                          **settings):
+    """Offload what is saved inside the block (wrap the forward, not the backward)::
+
+        with q35lab.long_context.offloaded_checkpoints() as offloader:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+
+    With the decoder layers checkpointed, what is saved outside their checkpoints is their inputs
+    (one [B, T, H] each), the final norm's input and the loss's saved tensors: everything of at
+    least ``min_bytes`` that is not a parameter (nor shares memory with one of ``model``'s, when
+    given: pass it, so that packed or transposed weights saved by a GEMM stay) goes to the host.
+    ``settings``: those of ``CheckpointOffloader``. For offloading some layers only, and for use
+    without changing the training loop, ``offload_decoder_layers``.
+    """
+    offloader = offloader if offloader is not None else CheckpointOffloader(**settings)
+    if model is not None:
+        offloader.exclude_parameters_of(model)
+    offloader.new_chain()
+    with offloader.hooks():
+        yield offloader
+
+
+class _OffloadedLayerForward:
+    """A decoder layer's instance-level forward: the layer's own (checkpointing) forward under the
+    offloader's hooks, offloading its checkpoint input if it is among the first ``count`` layers.
+    An object holding its module, as q35lab's other forwards (deepcopy, pickle)."""
+
+    __name__ = "forward"
+
+    def __init__(self, module: torch.nn.Module, offloader: CheckpointOffloader, index: int, inner=None):
+        self.module, self.offloader, self.index, self.inner = module, offloader, index, inner
+
+    @property
+    def __wrapped__(self):
+        return type(self.module).forward.__get__(self.module)
+
+    def __repr__(self) -> str:
+        return f"<q35lab offloaded-checkpoint forward of {type(self.module).__name__} {self.index}>"
+
+    def _forward(self, *args, **kwargs):
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        layer = self.module
+        if not (getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled()):
+            return self._forward(*args, **kwargs)  # nothing is checkpointed: nothing to offload
+        if self.index == 0:
+            self.offloader.new_chain()
+        count = self.offloader.layers
+        with self.offloader.hooks(offload=count is None or self.index < count):
+            return self._forward(*args, **kwargs)
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules()
+            if isinstance(m, GradientCheckpointingLayer) and type(m).__name__.endswith("DecoderLayer")]
+
+
+def offload_decoder_layers(model: torch.nn.Module, layers: float | int = 1.0, *,
+                           offloader: CheckpointOffloader | None = None, **settings) -> CheckpointOffloader:
+    """Offload the checkpoint inputs of the first ``layers`` decoder layers to host memory.
+
+    ``layers``: a fraction of the decoder layers (float in [0, 1]) or a count (int). The first
+    layers are chosen: their inputs are needed last in the backward, so their copies have the
+    longest time to complete and to be prefetched. Takes effect while the layers are
+    gradient-checkpointed in train mode (transformers' ``gradient_checkpointing_enable`` with
+    ``use_reentrant=False``, before or after this call); otherwise the layers run as they are.
+    Returns the offloader (its ``stats`` count what moved). Calling again updates the count.
+    """
+    found = _decoder_layers(model)
+    if isinstance(layers, bool) or not isinstance(layers, numbers.Real):
+        raise TypeError(f"layers: expected a fraction (float in [0, 1]) or a count (int), got {layers!r}")
+    if isinstance(layers, numbers.Integral):
+        if not 0 <= layers <= len(found):
+            raise ValueError(f"layers: expected a count in [0, {len(found)}], got {layers}")
+        count = int(layers)
+    else:
+        if not 0.0 <= layers <= 1.0:
+            raise ValueError(f"layers: expected a fraction in [0, 1], got {layers}")
+        count = round(layers * len(found))
+    if offloader is None:
+        existing = [vars(m).get("forward") for m in found]
+        existing = [f.offloader for f in existing if isinstance(f, _OffloadedLayerForward)]
+        offloader = existing[0] if existing and not settings else CheckpointOffloader(**settings)
+    offloader.layers = count
+    offloader.exclude_parameters_of(model)
+    for index, layer in enumerate(found):
+        current = vars(layer).get("forward")
+        if isinstance(current, _OffloadedLayerForward):
+            current.offloader, current.index = offloader, index
+        else:
+            layer.forward = _OffloadedLayerForward(layer, offloader, index, inner=current)
+    return offloader
+
+
+def restore_decoder_layers(model: torch.nn.Module) -> int:
+    """Undo ``offload_decoder_layers``; how many layers were restored."""
+    restored = 0
+    for layer in _decoder_layers(model):
+        current = vars(layer).get("forward")
+        if isinstance(current, _OffloadedLayerForward):
+            if current.inner is None:
+                del layer.forward
+            else:
+                layer.forward = current.inner
+            restored += 1
+    return restored
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory this process may still take: MemAvailable (/proc/meminfo), capped by
+    the cgroup's limit minus its usage where one is set (a container). None where unknown."""
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 2**60:
+            room = int(limit) - usage
+            available = room if available is None else min(available, room)
+        break
+    return available
+
+
+# ==============================================================================================
+# 3. Memory per token
+# ==============================================================================================
+#: What an H200 leaves to a training process (of its 140 GiB; the CUDA context and NCCL take the rest).
+H200_USABLE_BYTES = 139 * GiB
+
+
+@dataclass(frozen=True)
+class _Dims:
+    H: int
+    I: int
+    L: int
+    V: int
+    layer_types: tuple
+    Hk: int
+    Hv: int
+    dk: int
+    dv: int
+    conv_kernel: int
+    nq: int
+    nkv: int
+    hd: int
+    rotary: int
+    tied: bool
+
+    @property
+    def key_dim(self):
+        return self.Hk * self.dk
+
+    @property
+    def value_dim(self):
+        return self.Hv * self.dv
+
+    @property
+    def conv_dim(self):
+        return 2 * self.key_dim + self.value_dim
+
+
+def _dims(config) -> _Dims:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    L = text.num_hidden_layers
+    layer_types = tuple(getattr(text, "layer_types", None) or ["full_attention"] * L)[:L]
+    rope = getattr(text, "rope_parameters", None) or {}
+    factor = rope.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", 1.0))
+    hd = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return _Dims(H=text.hidden_size, I=text.intermediate_size, L=L, V=text.vocab_size, layer_types=layer_types,
+                 Hk=text.linear_num_key_heads, Hv=text.linear_num_value_heads, dk=text.linear_key_head_dim,
+                 dv=text.linear_value_head_dim, conv_kernel=text.linear_conv_kernel_dim,
+                 nq=text.num_attention_heads, nkv=text.num_key_value_heads, hd=hd, rotary=int(hd * factor),
+                 tied=bool(getattr(text, "tie_word_embeddings", False)))
+
+
+def _linears(d: _Dims) -> dict[str, list[tuple[int, int]]]:
+    """(in, out) of every nn.Linear of one layer of each kind (what LoRA "all-linear" adapts)."""
+    mlp = [(d.H, d.I), (d.H, d.I), (d.I, d.H)]
+    gdn = [(d.H, d.conv_dim), (d.H, d.value_dim), (d.H, d.Hv), (d.H, d.Hv), (d.value_dim, d.H)]
+    attn = [(d.H, 2 * d.nq * d.hd), (d.H, d.nkv * d.hd), (d.H, d.nkv * d.hd), (d.nq * d.hd, d.H)]
+    return {"mlp": mlp, "linear_attention": gdn, "full_attention": attn}
+
+
+def parameter_count(config) -> int:
+    """Parameters of a dense Qwen3.5 text model (embeddings, head unless tied, every layer)."""
+    d = _dims(config)
+    lin = _linears(d)
+    count = d.V * d.H * (1 if d.tied else 2) + d.H  # embeddings, lm_head, final norm
+    for kind in d.layer_types:
+        count += 2 * d.H + sum(i * o for i, o in lin["mlp"] + lin[kind])  # two norms, MLP, mixer
+        if kind == "linear_attention":
+            count += d.conv_dim * d.conv_kernel + 2 * d.Hv + d.dv  # conv1d, dt_bias + A_log, gated norm
+        else:
+            count += 2 * d.hd  # q_norm, k_norm
+    return count
+
+
+def lora_parameter_count(config, rank: int = 16, targets: str | tuple = "all-linear") -> int:
+    """LoRA parameters, r·(in + out) per adapted linear of every layer ("all-linear": each of
+    them, lm_head excluded, as PEFT; or a tuple of projection kinds: "mlp", "mixer")."""
+    d = _dims(config)
+    lin = _linears(d)
+    kinds = ("mlp", "mixer") if targets == "all-linear" else tuple(targets)
+    total = 0
+    for kind in d.layer_types:
+        pairs = (lin["mlp"] if "mlp" in kinds else []) + (lin[kind] if "mixer" in kinds else [])
+        total += sum(rank * (i + o) for i, o in pairs)
+    return total
+
+
+def _phase_terms(d: _Dims, e: int, r: int, tiled: bool) -> dict[str, dict[str, float]]:
+    """Per-token bytes of each phase of one layer's backward (checkpoints and residual excluded).
+
+    Counted from the code that runs on the GPU: q35lab's patched modules (fused in_proj and
+    gate/up, SwiGLU, norms, conv, LoRA saving ``x·Aᵀ`` of r values), fla's
+    ``chunk_gated_delta_rule`` (saves l2-normed q, k with their rstd, v, g, beta and the WY
+    matrix A of 64 values per token and value head; its backward recomputes w, u, the chunk
+    states h and makes dh, dv, dw, dq, dk) and SDPA's flash backend (saves q, k, v, out, lse; a
+    fp32 dq accumulator in backward). fla's and SDPA's terms are read from their code, not
+    measured: the GPU measurement closes them.
+    """
+    H, I, Hv, dk, dv, vd = d.H, d.I, d.Hv, d.dk, d.dv, d.value_dim
+    q = d.nq * d.hd
+    kv = d.nkv * d.hd
+    norm = {"post-attention norm: input + fp32 rstd": H * e + 4, "input norm: fp32 rstd": 4}
+    if tiled:
+        mlp = {"MLP: input (saved once by the tiling)": H * e, "MLP: dx of the whole sequence": H * e}
+    else:
+        mlp = {"MLP: input (saved by gate/up)": H * e, "MLP: gate/up output [2I]": 2 * I * e,
+               "MLP: SwiGLU output [I] (saved by down)": I * e, "MLP: LoRA x·Aᵀ (3 adapters)": 3 * r * e,
+               "MLP backward: dh [I]": I * e}
+    gdn_saved = {
+        "GDN: input (saved by in_proj)": H * e,
+        "GDN: in_proj output, one buffer [qkv|z|b|a]": (d.conv_dim + vd + 2 * Hv) * e,
+        "GDN: z, contiguous copy (gated-norm gate)": vd * e,
+        "GDN: beta, softplus in/out, g (fp32)": Hv * (e + 12),
+        "GDN core: q, k l2-normed + fp32 rstd": 2 * (d.key_dim * e + 4 * d.Hk),
+        "GDN core: v (contiguous copy)": vd * e,
+        "GDN core: A (WY, 64 per value head)": Hv * 64 * e,
+        "GDN core: output (saved by gated norm)": vd * e,
+        "GDN: gated-norm output (saved by out_proj)": vd * e,
+        "GDN: LoRA x·Aᵀ (5 adapters)": 5 * r * e,
+    }
+    gdn_bwd = {
+        "GDN backward: d(out), dz from the gated norm": 2 * vd * e,
+        "GDN core backward: w, u, v_new (recomputed)": (Hv * dk + 2 * Hv * dv) * e,
+        "GDN core backward: h, dh (chunk states, per 64 tokens)": 2 * Hv * dk * dv * e / 64,
+        "GDN core backward: dv, dw": (Hv * dv + Hv * dk) * e,
+        "GDN core backward: dq, dk (per value head)": 2 * Hv * dk * e,
+    }
+    attn_saved = {
+        "attention: input (saved by q/k/v)": H * e,
+        "attention: q-norm input (contiguous copy)": q * e,
+        "attention: k-norm input": kv * e,
+        "attention: q, k after RoPE, v (saved by SDPA)": (q + 2 * kv) * e,
+        "attention: SDPA output + its contiguous copy": 2 * q * e,
+        "attention: sigmoid(gate), gated output (saved by o_proj)": 2 * q * e,
+        "attention: lse (fp32)": 4 * d.nq,
+        "attention: LoRA x·Aᵀ (4 adapters)": 4 * r * e,
+    }
+    attn_bwd = {
+        "attention backward: d(gated), d(out), d(gate)": 3 * q * e,
+        "attention backward: dq fp32 accumulator, dq, dk, dv": 4 * q + (q + 2 * kv) * e,
+    }
+    phases = {}
+    kinds = set(d.layer_types)
+    if "linear_attention" in kinds:
+        phases["MLP backward (GatedDeltaNet layer)"] = {**gdn_saved, **norm, **mlp}
+        phases["GatedDeltaNet backward"] = {**gdn_saved, **gdn_bwd, "input norm: fp32 rstd": 4}
+    if "full_attention" in kinds:
+        phases["MLP backward (attention layer)"] = {**attn_saved, **norm, **mlp}
+        phases["attention backward"] = {**attn_saved, **attn_bwd, "input norm: fp32 rstd": 4}
+    return phases
+
+
+@dataclass
+class MemoryModel:
+    """The predicted peak of a LoRA training step: ``fixed + T · per_token`` bytes on the GPU and
+    ``T · host_per_token`` in host memory. ``terms``: per-token bytes at the peak phase, by name;
+    ``phases``: each phase's per-token total; ``fixed``: the constant terms, by name."""
+
+    terms: dict
+    phase: str
+    phases: dict
+    fixed: dict
+    host_per_token: float
+    offloaded_layers: int
+    layers: int
+    notes: list = field(default_factory=list)
+
+    @property
+    def per_token(self) -> float:
+        return float(sum(self.terms.values()))
+
+    @property
+    def fixed_bytes(self) -> float:
+        return float(sum(self.fixed.values()))
+
+    def peak(self, tokens: int) -> float:
+        return self.fixed_bytes + tokens * self.per_token
+
+    def longest_fit(self, gpu_bytes: float = H200_USABLE_BYTES, host_bytes: float | None = None,
+                    multiple: int = 1024) -> int:
+        """The most tokens (a multiple of ``multiple``) whose peak fits ``gpu_bytes`` and whose
+        host copies fit ``host_bytes`` (if given)."""
+        tokens = (gpu_bytes - self.fixed_bytes) / self.per_token
+        if host_bytes is not None and self.host_per_token:
+            tokens = min(tokens, host_bytes / self.host_per_token)
+        return max(0, int(tokens) // multiple * multiple)
+
+    def table(self) -> str:
+        width = max(map(len, list(self.terms) + list(self.fixed)))
+        rows = [f"peak phase: {self.phase}"]
+        rows += [f"  {name:<{width}}  {value / KiB:9.2f} KiB/token" for name, value in self.terms.items()]
+        rows.append(f"  {'total':<{width}}  {self.per_token / KiB:9.2f} KiB/token")
+        rows += [f"  {name:<{width}}  {value / GiB:9.2f} GiB" for name, value in self.fixed.items()]
+        if self.host_per_token:
+            rows.append(f"  host: {self.host_per_token / KiB:.2f} KiB/token ({self.offloaded_layers} of {self.layers} layers)")
+        return "\n".join(rows)
+
+
+def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, offload: float | int | bool = False,
+                    lora_rank: int = 16, dtype_bytes: int = 2, weight_bytes: int | None = None,
+                    adapter_bytes: int = 4, batch: int = 1, loss_chunk_bytes: int | None = None,
+                    slack_bytes: float = 2 * GiB) -> MemoryModel:
+    """Predict the peak's slope (bytes per token) of a Qwen3.5 LoRA step under gradient
+    checkpointing, term by term, and its constant part.
+
+    Per token (e = ``dtype_bytes``; the 9B: H = 4096, I = 12288, 32 layers, 24 GatedDeltaNets):
+
+    * ``checkpoint inputs``: one [T, H] per decoder layer on the GPU at the peak — L·H·e, or with
+      k layers offloaded max(L − k, 2)·H·e (the peak is the last layer's backward, with every kept
+      checkpoint still there; with all offloaded, the one being recomputed and the one prefetched);
+    * ``residual-stream gradients``: 3·H·e (the layer output's gradient, the branch's dx, the sum);
+    * ``token ids, labels, positions, RoPE``: 8 + 8 + 32 + 2·rotary·e;
+    * one layer's backward working set, the largest phase of ``_phase_terms``: the MLP's backward
+      (the mixer's saved tensors are alive then, the whole layer having been recomputed), the
+      GatedDeltaNet's or the attention's backward;
+    * the loss phase (end of forward: every checkpoint, the final norm's input, its output and the
+      fused loss's dx, 3·H·e) is compared too; it is never the largest here.
+
+    Constant: the weights (``parameter_count``·weight_bytes), the LoRA adapters with their
+    gradients and AdamW's two fp32 moments (``lora_parameter_count``·(2·adapter_bytes + 8)), the
+    fused loss's logits chunk, one MLP tile's working set when tiled (tile·(H + 4I)·e), and
+    ``slack_bytes`` (cuBLAS workspaces, allocator rounding). ``offload``: True (every layer), a
+    fraction or a count of layers; host memory then holds k·H·e per token.
+    """
+    d = _dims(config)
+    e, r = int(dtype_bytes), int(lora_rank)
+    weight_bytes = e if weight_bytes is None else weight_bytes
+    if offload is True:
+        k = d.L
+    elif offload is False or offload is None:
+        k = 0
+    elif isinstance(offload, numbers.Integral):
+        k = int(offload)
+    else:
+        k = round(float(offload) * d.L)
+    if not 0 <= k <= d.L:
+        raise ValueError(f"offload: expected at most {d.L} layers, got {offload!r}")
+    on_gpu = d.L if k == 0 else max(d.L - k, min(2, d.L))
+    common = {
+        f"checkpoint inputs ({on_gpu} of {d.L} layers on the GPU)": on_gpu * d.H * e,
+        "residual-stream gradients": 3 * d.H * e,
+        "token ids, labels, positions, RoPE": 8 + 8 + 32 + 2 * d.rotary * e,
+    }
+    phases = {name: {**common, **terms} for name, terms in
+              _phase_terms(d, e, r, tiled=tiled_mlp_tokens is not None).items()}
+    phases["loss (end of forward)"] = {
+        f"checkpoint inputs ({d.L - k} of {d.L} layers on the GPU)": (d.L - k) * d.H * e,
+        "final norm: input, output": 2 * d.H * e,
+        "fused loss: dx (computed in forward)": d.H * e,
+        "token ids, labels, positions, RoPE": common["token ids, labels, positions, RoPE"],
+    }
+    totals = {name: sum(terms.values()) for name, terms in phases.items()}
+    phase = max(totals, key=totals.get)
+    if loss_chunk_bytes is None:
+        from .ops.linear_cross_entropy import CHUNK_BYTES
+        loss_chunk_bytes = CHUNK_BYTES
+    fixed = {
+        "weights": parameter_count(config) * weight_bytes,
+        "LoRA adapters + gradients + AdamW moments": lora_parameter_count(config, r) * (2 * adapter_bytes + 8),
+        "fused loss: one chunk of logits": loss_chunk_bytes,
+        "slack: workspaces, allocator rounding": slack_bytes,
+    }
+    if tiled_mlp_tokens is not None:
+        fixed["MLP: one tile's working set"] = _check_tile_tokens(tiled_mlp_tokens) * batch * (d.H + 4 * d.I) * e
+    terms = {name: value * batch for name, value in phases[phase].items()}
+    return MemoryModel(terms=terms, phase=phase, phases={n: t * batch for n, t in totals.items()}, fixed=fixed,
+                       host_per_token=k * d.H * e * batch, offloaded_layers=k, layers=d.L)
+
+
+def plan_offload_layers(config, tokens: int, *, gpu_bytes: float = H200_USABLE_BYTES,
+                        host_bytes: float | None = None, host_reserve_bytes: float = 16 * GiB,
+                        **model_settings) -> tuple[int, bool]:
+    """The fewest decoder layers to offload for ``tokens`` to fit ``gpu_bytes``, within the host
+    memory (``host_bytes``, default ``host_memory_available()``, less ``host_reserve_bytes`` for
+    the process, the data and the OS). Returns (layers, whether the step is predicted to fit)."""
+    if host_bytes is None:
+        host_bytes = host_memory_available()
+    room = math.inf if host_bytes is None else max(0.0, host_bytes - host_reserve_bytes)
+    layers = _dims(config).L
+    for k in range(layers + 1):
+        model = bytes_per_token(config, offload=k, **model_settings)
+        if tokens * model.host_per_token > room:
+            return max(0, k - 1), False
+        if model.peak(tokens) <= gpu_bytes:
+            return k, True
+    return layers, False

@@ -1,0 +1,495 @@
+"""Long-context pieces (q35lab.long_context): the sequence-tiled MLP, offloaded checkpoint inputs,
+and the memory-per-token model — on tiny Qwen3.5 models with PEFT LoRA, on the CPU."""
+
+import copy
+import io
+import math
+import pickle
+
+import peft
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+import q35lab
+from q35lab import long_context as lc
+from q35lab.runtime import device
+
+from tiny_models import TEXT, causal_lm
+
+MLP_TARGETS = ["gate_proj", "up_proj", "down_proj"]
+
+
+def _model(dropout=0.0, rank=4, checkpointing=True, targets=MLP_TARGETS, seed=0):
+    """The tiny Qwen3.5 (2 layers: a GatedDeltaNet and an attention layer) with LoRA on the MLPs,
+    B random (LoRA starts at B = 0, which would hide a wrong adapter gradient)."""
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(causal_lm(), peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
+                                                             lora_dropout=dropout))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.2)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def _mlps(model):
+    return [m for m in model.modules() if type(m).__name__ == "Qwen3_5MLP"]
+
+
+def _step(model, ids, autocast=False, backward=True):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(device().type, dtype=torch.bfloat16, enabled=autocast):
+        loss = model(input_ids=ids, labels=ids).loss
+    if backward:
+        loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same(a, b, rtol=1e-5, atol=1e-6):
+    (loss_a, grads_a), (loss_b, grads_b) = a, b
+    torch.testing.assert_close(loss_a, loss_b, rtol=rtol, atol=atol)
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=rtol, atol=atol, msg=name)
+
+
+def _count_mlp_calls(model):
+    """Record the tokens of every call of each tiled MLP's wrapped forward (one entry a tile)."""
+    calls = []
+    for mlp in _mlps(model):
+        forward = vars(mlp)["forward"]
+        inner = forward.untiled
+
+        def counted(x, *args, _inner=inner, **kwargs):
+            calls.append(x.shape[-2])
+            return _inner(x, *args, **kwargs)
+
+        forward.untiled = counted
+    return calls
+
+
+class _LoopTiles:
+    """The reference tiling: the same tiles, in the same order, as ordinary autograd (each tile's
+    graph kept). Its forward draws the same dropout masks as tiled_mlp's forward."""
+
+    def __init__(self, module, tile):
+        self.module, self.tile = module, tile
+
+    def __call__(self, x):
+        f = type(self.module).forward
+        return torch.cat([f(self.module, x[..., s:s + self.tile, :]) for s in range(0, x.shape[-2], self.tile)], -2)
+
+
+# ----------------------------------------------------------------------------------------------
+# tiled_mlp
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tile", [1, 4, 16, 17, 40])
+def test_tiled_mlp_gives_the_output_and_every_gradient_of_the_mlp(tile):
+    mlp = _mlps(_model(checkpointing=False))[0]
+    x = torch.randn(2, 17, TEXT["hidden_size"], device=device(), requires_grad=True)
+    w = torch.randn(2, 17, TEXT["hidden_size"], device=device())
+    params = [p for p in mlp.parameters() if p.requires_grad]
+    assert len(params) == 6  # the LoRA A and B of gate, up and down; the bases are frozen
+
+    def run(tiled):
+        calls = []
+
+        def forward(t):
+            calls.append(t.shape[-2])
+            return mlp(t)
+
+        y = lc.tiled_mlp(forward, x, tile, params=params) if tiled else mlp(x)
+        grads = torch.autograd.grad((y * w).sum(), [x, *params])
+        return y.detach(), grads, calls
+
+    y_ref, g_ref, _ = run(False)
+    y, g, calls = run(True)
+    torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-6)
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    tiles = math.ceil(17 / tile)
+    # a tile ≥ T is the MLP as it is (one call, no recompute); else each tile forward, then again in backward
+    assert calls == ([17] if tile >= 17 else [min(tile, 17 - s) for s in range(0, 17, tile)] * 2)
+    assert tile >= 17 or len(calls) == 2 * tiles
+
+
+def test_model_under_checkpointing_and_bf16_autocast_patched_by_q35lab_computes_each_tile_twice_not_three_times():
+    ids = torch.randint(0, 128, (1, 11), device=device())
+    reference = _model()
+    q35lab.apply_to_qwen3_5(reference)
+    expected = _step(reference, ids, autocast=True)
+    model = _model()
+    q35lab.apply_to_qwen3_5(model)
+    assert lc.tile_mlps(model, 4) == 2
+    assert all(type(vars(m)["forward"].inner).__name__ == "_MLPForward" for m in _mlps(model))  # wraps q35lab's
+    calls = _count_mlp_calls(model)
+    got = _step(model, ids, autocast=True)
+    # 2 MLPs × 3 tiles × (forward, backward): the layer's recompute stopped before the tiles
+    assert calls == [4, 4, 3] * 4
+    # bf16 on both sides; tiles change the GEMMs' row counts, so bf16-sized differences are allowed
+    _assert_same(got, expected, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("forward_autocast", [True, False])
+def test_the_recompute_runs_under_the_autocast_state_of_the_forward(forward_autocast):
+    mlp = _mlps(_model(checkpointing=False))[0]
+    x = torch.randn(1, 7, TEXT["hidden_size"], device=device(), requires_grad=True)
+    seen = []
+
+    def forward(t):
+        seen.append(torch.is_autocast_enabled(device().type))
+        return mlp(t)
+
+    with torch.autocast(device().type, dtype=torch.bfloat16, enabled=forward_autocast):
+        y = lc.tiled_mlp(forward, x, 3, params=[p for p in mlp.parameters() if p.requires_grad])
+    assert y.dtype == (torch.bfloat16 if forward_autocast else torch.float32)
+    with torch.autocast(device().type, dtype=torch.bfloat16, enabled=not forward_autocast):  # the opposite state
+        y.float().sum().backward()
+    assert seen == [forward_autocast] * 6 and x.grad.dtype == torch.float32
+
+
+def test_without_checkpoint_early_stop_the_recompute_runs_the_tiles_once_more_and_is_still_exact():
+    ids = torch.randint(0, 128, (1, 13), device=device())
+    expected = _step(_model(), ids)
+    model = _model()
+    lc.tile_mlps(model, 5)
+    calls = _count_mlp_calls(model)
+    assert _step(model, ids) and calls == [5, 5, 3] * 4  # early stop (the default): 2 passes
+    calls.clear()
+    with set_checkpoint_early_stop(False):
+        got = _step(model, ids)
+    assert calls == [5, 5, 3] * 6  # forward, the layer's full recompute, backward
+    _assert_same(got, expected)
+
+
+def test_lora_dropout_masks_of_each_tile_are_replayed_in_backward_and_the_rng_is_left_alone():
+    ids = torch.randint(0, 128, (1, 13), device=device())
+
+    def run(kind):
+        model = _model(dropout=0.4)
+        for mlp in _mlps(model):
+            if kind == "tiled":
+                lc.tile_mlp(mlp, 4)
+            else:
+                mlp.forward = _LoopTiles(mlp, 4)
+        torch.manual_seed(123)
+        result = _step(model, ids)
+        return result, torch.get_rng_state()
+
+    (reference, rng_reference), (tiled, rng_tiled) = run("loop"), run("tiled")
+    _assert_same(tiled, reference)
+    assert torch.equal(rng_tiled, rng_reference)  # the backward's replays forked the RNG
+    torch.manual_seed(123)
+    other_masks = _step(_model(dropout=0.4), ids)[0]
+    assert not torch.isclose(other_masks, reference[0])  # the masks matter: another draw changes the loss
+
+
+def test_patched_mlp_with_dropout_replays_its_seeds_per_tile():
+    model = _model(dropout=0.3, checkpointing=False)
+    q35lab.apply_to_qwen3_5(model)
+    mlp = _mlps(model)[0]
+    params = [p for p in mlp.parameters() if p.requires_grad]
+    x = torch.randn(1, 9, TEXT["hidden_size"], device=device(), requires_grad=True)
+    inner = vars(mlp)["forward"]
+
+    def run(tiled):
+        torch.manual_seed(7)
+        if tiled:
+            y = lc.tiled_mlp(inner, x, 4, params=params)
+        else:
+            y = torch.cat([inner(x[:, s:s + 4]) for s in range(0, 9, 4)], 1)
+        return torch.autograd.grad(y.square().sum(), [x, *params])
+
+    for a, b in zip(run(True), run(False)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_retain_graph_twice_through_a_checkpointed_tiled_mlp_doubles_every_gradient():
+    mlp = _mlps(_model(checkpointing=False))[0]
+    params = [p for p in mlp.parameters() if p.requires_grad]
+    x = torch.randn(1, 10, TEXT["hidden_size"], device=device(), requires_grad=True)
+
+    def block(t, tiled):
+        h = torch.nn.functional.rms_norm(t, (t.shape[-1],))
+        return t + (lc.tiled_mlp(mlp, h, 3) if tiled else mlp(h))
+
+    def grads(tiled, times):
+        for p in [x, *params]:
+            p.grad = None
+        loss = checkpoint(block, x, tiled, use_reentrant=False).square().sum()
+        for _ in range(times):
+            loss.backward(retain_graph=True)
+        return [p.grad.clone() for p in [x, *params]]
+
+    once, twice, untiled = grads(True, 1), grads(True, 2), grads(False, 1)
+    for a, b, c in zip(once, twice, untiled):
+        torch.testing.assert_close(b, 2 * a, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+
+
+def test_a_second_derivative_through_the_tiled_mlp_raises_first_derivatives_stay_right():
+    mlp = _mlps(_model(checkpointing=False))[0]
+    x = torch.randn(1, 7, TEXT["hidden_size"], device=device(), requires_grad=True)
+    (dx,) = torch.autograd.grad(lc.tiled_mlp(mlp, x, 3).sum(), x, create_graph=True)
+    (dx_ref,) = torch.autograd.grad(mlp(x).sum(), x)
+    torch.testing.assert_close(dx.detach(), dx_ref, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="TiledMLPFunction has no second derivative"):
+        dx.sum().backward()
+
+
+def test_frozen_or_trainable_parameters_and_an_input_without_grad():
+    torch.manual_seed(0)
+    full = causal_lm().model.layers[0].mlp  # no LoRA: the base weights are trained (full fine-tuning)
+    x = torch.randn(1, 9, TEXT["hidden_size"], device=device())
+    for x_grad, train in ((True, True), (True, False), (False, True)):
+        for p in full.parameters():
+            p.requires_grad_(train)
+        x.requires_grad_(x_grad)
+        wanted = ([x] if x_grad else []) + ([p for p in full.parameters()] if train else [])
+        ref = torch.autograd.grad(full(x).square().sum(), wanted)
+        got = torch.autograd.grad(lc.tiled_mlp(full, x, 4).square().sum(), wanted)  # params found on the module
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # no graph: tile by tile, the same output
+        torch.testing.assert_close(lc.tiled_mlp(full, x, 4), full(x))
+
+
+def test_wrong_arguments_are_errors_that_name_them():
+    mlp = _mlps(_model(checkpointing=False))[0]
+    x = torch.randn(1, 5, TEXT["hidden_size"], requires_grad=True)
+    for tile, error in ((0, ValueError), (True, TypeError), (2.5, TypeError)):
+        with pytest.raises(error, match="tile_tokens"):
+            lc.tiled_mlp(mlp, x, tile)
+    with pytest.raises(ValueError, match="mlp_forward: expected a tensor of shape"):
+        lc.tiled_mlp(lambda t: t.sum(-2), x, 2, params=())
+    with pytest.raises(TypeError, match="params"):
+        lc.tiled_mlp(lambda t: mlp(t), x, 2)
+
+
+def test_a_tiled_model_deep_copies_pickles_and_untiles_to_the_forward_it_wrapped():
+    ids = torch.randint(0, 128, (1, 9), device=device())
+    model = _model(checkpointing=False)  # transformers' checkpointing adds an input hook pickle cannot store
+    q35lab.apply_to_qwen3_5(model, flce=False, conv=False, in_proj=False, rms_norm=False, gated_norm=False)
+    before = _step(model, ids)
+    lc.tile_mlps(model, 4)
+    twin = copy.deepcopy(model)
+    for mlp in _mlps(twin):
+        forward = vars(mlp)["forward"]
+        assert isinstance(forward, lc.TiledMLPForward) and forward.module is mlp and forward.inner.module is mlp
+    _assert_same(_step(twin, ids), before)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    _assert_same(_step(loaded, ids), before)
+    assert pickle.loads(pickle.dumps(vars(_mlps(model)[0])["forward"])).tile_tokens == 4
+    assert lc.untile_mlps(model) == 2
+    assert all(type(vars(m)["forward"]).__name__ == "_MLPForward" for m in _mlps(model))
+    assert q35lab.revert(model).reverted
+
+
+# ----------------------------------------------------------------------------------------------
+# offloaded checkpoint inputs
+# ----------------------------------------------------------------------------------------------
+def _record_packs(offloader):
+    """Keep (source tensor's data pointer, device, handle) of every pack."""
+    packs = []
+    pack = offloader.pack
+
+    def recording(t):
+        handle = pack(t)
+        packs.append((t.untyped_storage().data_ptr(), isinstance(t, torch.nn.Parameter), handle))
+        return handle
+
+    offloader.pack = recording
+    return packs
+
+
+def test_offloaded_checkpoint_inputs_live_in_distinct_host_copies_and_give_the_same_gradients():
+    B, T, H, L = 2, 9, TEXT["hidden_size"], TEXT["num_hidden_layers"]
+    ids = torch.randint(0, 128, (B, T), device=device())
+    expected = _step(_model(), ids)
+    model = _model()
+    offloader = lc.offload_decoder_layers(model, 1.0, min_bytes=0, chunk_bytes=1000)  # several blocks a copy
+    packs = _record_packs(offloader)
+    got = _step(model, ids)
+    _assert_same(got, expected)
+    # exactly one saved tensor a layer, the checkpoint's input [B, T, H], moved to the host
+    assert offloader.stats == {"packed": L, "offloaded": L, "offloaded_bytes": L * B * T * H * 4, "unpacked": L,
+                               "prefetched": L - 1}
+    for source, _, handle in packs:
+        assert isinstance(handle, lc._HostCopy) and tuple(handle.shape) == (B, T, H) and len(handle.chunks) > 1
+        assert all(c.device.type == "cpu" and c.untyped_storage().data_ptr() != source for c in handle.chunks)
+
+    # the backward reads the host copies: spoil one between forward and backward and the gradients change
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    for chunk in packs[-1][2].chunks:
+        chunk.mul_(0.5)
+    loss.backward()
+    spoiled = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert any(not torch.allclose(spoiled[n], expected[1][n]) for n in spoiled)
+
+    assert lc.restore_decoder_layers(model) == L
+    assert not any("forward" in vars(m) for m in model.modules() if type(m).__name__.endswith("DecoderLayer"))
+
+
+def test_offload_a_fraction_of_layers_or_nothing_below_the_threshold():
+    ids = torch.randint(0, 128, (1, 9), device=device())
+    expected = _step(_model(), ids)
+    model = _model()
+    offloader = lc.offload_decoder_layers(model, 0.5, min_bytes=0)
+    packs = _record_packs(offloader)
+    _assert_same(_step(model, ids), expected)
+    assert [type(h).__name__ for _, _, h in packs] == ["_HostCopy", "_Kept"]  # the first layer's only
+    assert offloader.stats["prefetched"] == 1  # the kept layer's unpacking fetched the first one's early
+    big = lc.offload_decoder_layers(model, 2, min_bytes=2**20)  # a [1, 9, 64] fp32 input is 2 KiB: stays
+    assert big is not offloader
+    _step(model, ids)
+    assert big.stats["offloaded"] == 0 and big.stats["kept"] == 2
+    with pytest.raises(ValueError, match="layers"):
+        lc.offload_decoder_layers(model, 1.5)
+
+
+def test_offloaded_checkpoints_context_moves_activations_never_parameters():
+    ids = torch.randint(0, 128, (1, 9), device=device())
+    expected = _step(_model(), ids)
+    model = _model()
+    model.zero_grad(set_to_none=True)
+    offloader = lc.CheckpointOffloader(min_bytes=0)
+    packs = _record_packs(offloader)
+    with lc.offloaded_checkpoints(model, offloader=offloader):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    _assert_same((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}), expected)
+    parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert offloader.stats["offloaded"] >= 2  # both checkpoint inputs, and what the loss saved
+    for source, is_parameter, handle in packs:
+        assert isinstance(handle, lc._Kept) == (is_parameter or source in parameter_storages)
+    # a tensor that is not a Parameter but holds one's memory (packed weights, a detached weight) stays
+    linear = torch.nn.Linear(64, 64)
+    offloader = lc.CheckpointOffloader(min_bytes=0)
+    offloader.exclude_parameters_of(linear)
+    assert isinstance(offloader.pack(linear.weight.detach()), lc._Kept)
+    assert isinstance(offloader.pack(torch.randn(4, 64)), lc._HostCopy)
+
+
+def test_offload_and_tiling_together_with_retain_graph_twice():
+    ids = torch.randint(0, 128, (1, 11), device=device())
+    reference = _model()
+    once = _step(reference, ids)
+    model = _model()
+    lc.tile_mlps(model, 4)
+    offloader = lc.offload_decoder_layers(model, 1.0, min_bytes=0)
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward(retain_graph=True)
+    loss.backward()
+    twice = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    _assert_same((loss.detach(), {n: g / 2 for n, g in twice.items()}), once)
+    assert offloader.stats["unpacked"] == 4  # each host copy fetched again by the second backward
+
+
+# ----------------------------------------------------------------------------------------------
+# the memory model
+# ----------------------------------------------------------------------------------------------
+def _tiny_config():
+    return causal_lm().config
+
+
+def test_parameter_counts_match_the_models():
+    config = _tiny_config()
+    assert lc.parameter_count(config) == sum(p.numel() for p in causal_lm().parameters())
+    for targets, kinds in ((MLP_TARGETS, ("mlp",)), ("all-linear", "all-linear")):
+        model = _model(rank=8, targets=targets, checkpointing=False)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        assert lc.lora_parameter_count(config, 8, kinds) == trainable
+
+
+def test_the_terms_for_the_tiny_config_by_hand():
+    # tiny: H 64, I 96, 2 layers (a GatedDeltaNet, an attention), Hk 2 × 16, Hv 4 × 16, 2 heads of 32
+    # (1 kv), RoPE 8 of 32 dims; fp32 activations (e = 4), r = 4
+    model = lc.bytes_per_token(_tiny_config(), lora_rank=4, dtype_bytes=4, loss_chunk_bytes=0, slack_bytes=0)
+    mlp = model.phases["MLP backward (GatedDeltaNet layer)"]
+    # checkpoints 2·64·4 = 512, residual grads 3·64·4 = 768, ids/labels/positions/RoPE 8+8+32+2·8·4 = 112
+    # GDN saved: input 256, in_proj (128 + 64 + 8)·4 = 800 [conv_dim = 2·32 + 64], z 256, gates 4·(4+12) = 64,
+    #   q/k 2·(32·4 + 4·2) = 272, v 256, A 4·64·4 = 1024, core out 256, gated-norm out 256, xa 5·4·4 = 80
+    # norms 256 + 4 + 4; MLP: input 256, gate/up 768, SwiGLU 384, xa 48, dh 384
+    gdn_saved = 256 + 800 + 256 + 64 + 272 + 256 + 1024 + 256 + 256 + 80
+    assert gdn_saved == 3520
+    assert mlp == 512 + 768 + 112 + gdn_saved + 264 + 1840
+    # GDN backward: d(out), dz 2·256, w, u, v_new 3·256, h, dh 2·4·16·16·4/64 = 128, dv, dw 512, dq, dk 512
+    gdn = 512 + 768 + 112 + gdn_saved + 512 + 768 + 128 + 512 + 512 + 4
+    assert model.phases["GatedDeltaNet backward"] == gdn
+    # attention saved: input 256, q-norm in 256, k-norm in 128, q/k/v 512, out ×2 512, gate/gated 512,
+    #   lse 8, xa 64 = 2248; backward: 3·256 + (64·4 + 128·4)·... = 768 + 256 + 512
+    assert model.phases["attention backward"] == 512 + 768 + 112 + 2248 + 768 + 256 + 512 + 4
+    assert model.phases["loss (end of forward)"] == 512 + 512 + 256 + 112
+    assert gdn > mlp and model.phase == "GatedDeltaNet backward" and model.per_token == gdn
+    tiled = lc.bytes_per_token(_tiny_config(), lora_rank=4, dtype_bytes=4, tiled_mlp_tokens=8, loss_chunk_bytes=0)
+    assert tiled.phases["MLP backward (GatedDeltaNet layer)"] == mlp - 1840 + 512
+    assert tiled.fixed["MLP: one tile's working set"] == 8 * (64 + 4 * 96) * 4
+    offloaded = lc.bytes_per_token(_tiny_config(), lora_rank=4, dtype_bytes=4, offload=True, loss_chunk_bytes=0)
+    assert offloaded.host_per_token == 512 and offloaded.per_token == model.per_token  # 2 layers: max(0, 2) = 2
+
+
+def test_the_modelled_terms_are_what_the_tiny_model_saves():
+    config, (B, T) = _tiny_config(), (1, 12)
+    e, H = 4, TEXT["hidden_size"]
+    # checkpoint inputs: what the offloader moved per token
+    model = _model()
+    offloader = lc.offload_decoder_layers(model, 1.0, min_bytes=0)
+    _step(model, torch.randint(0, 128, (B, T), device=device()))
+    predicted = lc.bytes_per_token(config, dtype_bytes=e, offload=True, loss_chunk_bytes=0)
+    assert offloader.stats["offloaded_bytes"] / (B * T) == predicted.host_per_token == 2 * H * e
+
+    # the patched MLP's saved tensors (activations, not weights), untiled and tiled
+    model = _model(rank=4, checkpointing=False)
+    q35lab.apply_to_qwen3_5(model)
+    mlp = _mlps(model)[0]
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def saved_bytes(call):
+        seen = {}
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in weights:
+                seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
+            return t
+
+        x = torch.randn(B, T, H, device=device(), requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            call(x)
+        return sum(seen.values()) / (B * T) - H * e  # the input itself is the caller's
+
+    terms = lc.bytes_per_token(config, lora_rank=4, dtype_bytes=e).phases
+    untiled_terms = lc._phase_terms(lc._dims(config), e, 4, tiled=False)["MLP backward (GatedDeltaNet layer)"]
+    saved_by_mlp = sum(v for k, v in untiled_terms.items() if k.startswith("MLP:")) - H * e
+    assert saved_bytes(mlp) == saved_by_mlp == (2 * 96 + 96 + 3 * 4) * e
+    assert saved_bytes(lambda x: lc.tiled_mlp(mlp, x, 5)) == 0  # only x (the stash), nothing of a tile
+    assert terms  # the phases exist for this config
+
+
+def test_qwen3_5_9b_predictions_and_the_offload_plan():
+    from q35lab import e2e
+
+    config = e2e.config("9b")
+    base = lc.bytes_per_token(config)
+    assert base.terms["checkpoint inputs (32 of 32 layers on the GPU)"] == 256 * 1024  # 32 · 4096 · 2
+    assert 8.9e9 < lc.parameter_count(config) < 9.1e9
+    tiled = lc.bytes_per_token(config, tiled_mlp_tokens=8192)
+    offloaded = lc.bytes_per_token(config, tiled_mlp_tokens=8192, offload=True)
+    assert offloaded.per_token < tiled.per_token <= base.per_token
+    assert offloaded.host_per_token == 256 * 1024
+    assert base.longest_fit() < tiled.longest_fit() < offloaded.longest_fit()
+    # all 32 layers at 512k need 128 GiB of host memory: not on a 128 GiB host
+    assert offloaded.longest_fit(host_bytes=128 * 2**30 - 16 * 2**30) < 512 * 1024
+    layers, fits = lc.plan_offload_layers(config, 384 * 1024, host_bytes=1e15, tiled_mlp_tokens=8192)
+    assert fits and 0 < layers < 32
+    assert lc.plan_offload_layers(config, 2**22, host_bytes=128 * 2**30)[1] is False
+    assert "checkpoint inputs" in base.table()
