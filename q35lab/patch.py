@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import long_context
 from .ops._compile import opaque_to_compile
 from .ops.causal_conv1d import causal_conv1d
 from .ops.gated_rms_norm import GatedRMSNorm
@@ -745,6 +746,8 @@ def apply_to_qwen3_5(
     flce: bool = True,
     conv: bool = True,
     swiglu: bool = True,
+    tiled_mlp: int | None = None,
+    offload_checkpoints: float | int = 0,
 ) -> PatchReport:
     """Replace Qwen3.5's modules by q35lab's kernels, in place; returns what was done.
 
@@ -755,6 +758,12 @@ def apply_to_qwen3_5(
     the modules as already patched). Patch after moving the model to its device and dtype: the
     in_proj fusion moves each GatedDeltaNet's four frozen weights into one buffer there, which a
     later ``.to()`` splits again (still correct, but the fused GEMM then keeps its own copy).
+
+    Long context (off by default): ``tiled_mlp=N`` computes every MLP in tiles of N tokens,
+    recomputed per tile in backward (a tile's intermediates instead of the sequence's);
+    ``offload_checkpoints`` (a fraction of the decoder layers, or a count) keeps their
+    gradient-checkpoint inputs in pinned host memory between forward and backward
+    (``q35lab.long_context`` sizes and explains both).
 
     With PEFT, patch the wrapped model (after ``get_peft_model``). LoRA layers added after a
     patch run PEFT's own forward until ``apply_to_qwen3_5`` is called again; the report of a
@@ -782,6 +791,8 @@ def apply_to_qwen3_5(
             _patch_conv(module, report)
         if swiglu and _is_swiglu_mlp(module):
             _patch_mlp(module, report)
+        if tiled_mlp and _is_swiglu_mlp(module) and long_context.tile_mlp(module, tiled_mlp):  # wraps the above
+            report.replaced[f"{type(module).__name__} (tiled, {tiled_mlp} tokens a tile)"] += 1
         if flce and cls.__name__ in FLCE_CLASSES and cls.__module__.startswith("transformers."):
             _patch_loss(module, report)
     for parent, name, child in _named_children_everywhere(model):
@@ -801,6 +812,9 @@ def apply_to_qwen3_5(
         else:
             setattr(parent, name, replacement)
             report.replaced[type(child).__name__] += 1
+    if offload_checkpoints:
+        offloader = long_context.offload_decoder_layers(model, offload_checkpoints)
+        report.replaced[f"decoder-layer checkpoints offloaded to host memory ({offloader.layers} layers)"] += 1
     _record_what_runs(model, report)
     return report
 
@@ -810,8 +824,12 @@ def revert(model: torch.nn.Module) -> PatchReport:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     report = PatchReport()
+    if long_context.restore_decoder_layers(model):
+        report.reverted["decoder-layer checkpoint offload"] += 1
     for module in model.modules():
         _unpatch_loss(module, report)
+        if long_context.untile_mlp(module):
+            report.reverted[f"{type(module).__name__} (tiled)"] += 1
         _unpatch_mlp(module, report)
         _unpatch_conv(module, report)
     for parent, name, child in _named_children_everywhere(model):

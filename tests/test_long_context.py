@@ -493,3 +493,36 @@ def test_qwen3_5_9b_predictions_and_the_offload_plan():
     assert fits and 0 < layers < 32
     assert lc.plan_offload_layers(config, 2**22, host_bytes=128 * 2**30)[1] is False
     assert "checkpoint inputs" in base.table()
+
+
+def test_apply_to_qwen3_5_long_context_options_same_loss_and_gradients_and_revert():
+    """The options as a user turns them on: through apply_to_qwen3_5, on a gradient-checkpointed
+    PEFT model, against the same model patched without them; revert takes them off again."""
+    import copy
+
+    import peft
+
+    import q35lab
+    from tiny_models import causal_lm, loss_and_grads
+
+    base = peft.get_peft_model(causal_lm(), peft.LoraConfig(r=4, target_modules=["gate_proj", "up_proj", "down_proj"]))
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    base.train()
+    with torch.no_grad():
+        for name, p in base.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1)
+    plain, long = copy.deepcopy(base), copy.deepcopy(base)
+    q35lab.apply_to_qwen3_5(plain)
+    report = q35lab.apply_to_qwen3_5(long, tiled_mlp=3, offload_checkpoints=1.0)
+    assert report.replaced["Qwen3_5MLP (tiled, 3 tokens a tile)"] == 2
+    assert any(label.startswith("decoder-layer checkpoints offloaded") for label in report.replaced)
+    ids = torch.randint(0, 128, (1, 11))
+    (loss_a, grads_a), (loss_b, grads_b) = loss_and_grads(plain, ids), loss_and_grads(long, ids)
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-6, atol=1e-6)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6, msg=name)
+    reverted = q35lab.revert(long)
+    assert reverted.reverted["Qwen3_5MLP (tiled)"] == 2 and reverted.reverted["decoder-layer checkpoint offload"] == 1
+    assert not any(type(vars(m).get("forward")).__module__ == "q35lab.long_context" for m in long.modules())
