@@ -1,5 +1,6 @@
 """A whole Qwen3.5 + PEFT training run, patched and unpatched (tiny model, CPU interpreter)."""
 
+import json
 import math
 
 import pytest
@@ -379,3 +380,200 @@ def test_rows_of_another_model_size_are_kept_when_the_same_variant_and_T_are_mea
     e2e.merge_rows(path, old).to_csv(path, index=False)
     merged = e2e.merge_rows(path, [{"variant": "q35lab", "T": 32768, "size": "9b", "layers": 32, "step_ms": 3.0}])
     assert sorted(zip(merged["size"], merged["step_ms"])) == [("9b", 3.0), ("h200", 1.0)]
+
+
+# ----------------------------------------------------------------------------------------------
+# The step's floor and its kernel-category breakdown
+# ----------------------------------------------------------------------------------------------
+def test_the_floor_of_the_tiny_step_matches_a_hand_count():
+    """tiny: H 64, I 128, 2 heads (+ 1 kv head) × 32, GatedDeltaNet 2 key / 4 value heads × 16,
+    V 256, layers (GDN, GDN, GDN, attention), LoRA r = 8, T = 16.
+
+    GEMM FLOPs of a linear [k -> n] per token: 6kn + 8r(k + n) = 6kn + 64(k + n).
+    GDN: qkv 64->128 61,440; z 64->64 32,768; b, a 64->4 5,888 each; out 64->64 32,768 = 138,752.
+    attention: q 64->128 61,440; k, v 64->32 18,432 each; o 64->64 32,768 = 131,072.
+    MLP: gate, up 64->128, down 128->64 61,440 each = 184,320.
+    3 × (138,752 + 184,320) + 131,072 + 184,320 + LM head 4·64·256 = 1,350,144 per token.
+
+    Streaming elements per token, (forward, backward): every layer 2 norms (128, 192), 2 residual
+    adds (384, 384), SwiGLU (384, 640) = (1,024, 1,408); GDN conv over 128 channels (256, 384) and
+    gated norm over 64 (192, 320): (1,472, 2,112); attention q/k norm over 96 (192, 288), rotary
+    on 3 heads × 8 dims (48, 48), output gate over 64 (192, 320): (1,456, 2,064). Forward twice
+    (recompute): 3 × 5,056 + 4,976 + final norm 320 = 20,464 elements, 40,928 bytes per token."""
+    from q35lab.bench.e2e import floor
+
+    terms = floor.step_floor(e2e.config("tiny"), 16, 8, matmul_tflops=1.0, copy_gbps=1.0, sdpa_ms=2.0, core_ms=3.0)
+    assert terms["gemm_tflop"] * 1e12 == pytest.approx(16 * 1_350_144)
+    assert terms["streaming_gb"] * 1e9 == pytest.approx(16 * 40_928)
+    assert terms["gemm_ms"] == pytest.approx(16 * 1_350_144 / 1e9)  # 1 TFLOP/s
+    assert terms["streaming_ms"] == pytest.approx(16 * 40_928 / 1e6)  # 1 GB/s
+    assert (terms["attention_ms"], terms["core_ms"]) == (2.0, 9.0)  # 1 attention layer, 3 GatedDeltaNets
+    assert terms["total_ms"] == pytest.approx(terms["gemm_ms"] + 2.0 + 9.0 + terms["streaming_ms"])
+    unknown = floor.step_floor(e2e.config("tiny"), 16, 8, 1.0, 1.0, sdpa_ms=None, core_ms=3.0)
+    assert math.isnan(unknown["attention_ms"]) and math.isnan(unknown["total_ms"]) and unknown["core_ms"] == 9.0
+
+
+@pytest.mark.parametrize("size", ["tiny", "35b-a3b"])
+def test_the_floor_counts_every_linear_layer_of_the_model(size):
+    """The config's linear layers are the built model's nn.Linear modules (those PEFT wraps), and
+    a MoE layer's routed experts are its expert parameters."""
+    from transformers import AutoModelForCausalLM
+
+    from q35lab.bench.e2e import floor
+
+    config = e2e.config(size, layers=4)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    for index, kind in ((0, "linear_attention"), (3, "full_attention")):
+        layer = model.model.layers[index]
+        built = {name.split(".", 1)[1]: (m.in_features, m.out_features) for name, m in layer.named_modules()
+                 if isinstance(m, torch.nn.Linear)}
+        counted = {linear.name: (linear.k, linear.n) for linear in floor.decoder_linears(config, kind)}
+        adapted = {linear.name for linear in floor.decoder_linears(config, kind) if linear.lora}
+        assert {name: counted[name] for name in adapted} == built  # "self_attn.q_proj" is q_proj, and so on
+        if size == "35b-a3b":
+            experts = layer.mlp.experts
+            assert counted["experts.gate_up_proj"] == tuple(experts.gate_up_proj.shape[:0:-1])
+            assert counted["experts.down_proj"] == tuple(experts.down_proj.shape[:0:-1])
+            assert counted["router"] == tuple(layer.mlp.gate.weight.shape[::-1])
+
+
+@pytest.mark.parametrize("name, category", [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas",
+     "GEMM"),
+    ("nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNT", "GEMM"),
+    ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>(Params)", "GEMM"),
+    ("aten::mm", "GEMM"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<256, 64, 64, 4, false, false, cutlass::bfloat16_t>>",
+     "attention"),
+    ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<cutlass::bfloat16_t>::Params)",
+     "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0", "attention"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
+    ("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "delta rule"),
+    ("chunk_fwd_kernel_o", "delta rule"),
+    ("recompute_w_u_fwd_kernel", "delta rule"),
+    ("void at::native::(anonymous namespace)::conv_depthwise2d_forward_kernel<1, c10::BFloat16, int>", "conv"),
+    ("sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x128x64", "conv"),
+    ("causal_conv1d_fwd_kernel", "conv"),
+    ("_offset_rms_norm_fwd_kernel", "q35lab kernels"),
+    ("_gated_rms_norm_bwd_kernel", "q35lab kernels"),
+    ("_swiglu_bwd_kernel", "q35lab kernels"),
+    ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::direct_copy_kernel_cuda"
+     "(at::TensorIteratorBase&)::{lambda()#3}::operator()() const::{lambda(float)#1}>>", "copies/casts"),
+    ("Memcpy DtoD (Device -> Device)", "copies/casts"),
+    ("aten::_to_copy", "copies/casts"),
+    ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor<float, "
+     "float, float, at::native::binary_internal::MulFunctor<float>>>>", "other elementwise"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>, std::array<char*, 3>>",
+     "other elementwise"),
+    ("_rms_norm_forward_kernel", "other elementwise"),  # Liger's
+])
+def test_kernels_are_categorized_by_their_profiler_names(name, category):
+    from q35lab.bench.e2e import breakdown
+
+    assert breakdown.categorize(name) == category
+
+
+def _profile_of_a_step():
+    """Events shaped as torch.profiler's (CPU events with parents, CUDA kernels), 1 ms of kernels."""
+    import itertools
+    import types
+
+    from torch.autograd import DeviceType
+
+    clock = itertools.count()
+
+    def cpu(name, parent=None, id=0, seq=-1, thread=1, fwd_thread=0):
+        return types.SimpleNamespace(name=name, device_type=DeviceType.CPU, cpu_parent=parent, id=id, sequence_nr=seq,
+                                     thread=thread, fwd_thread=fwd_thread, stack=[], self_cpu_time_total=0.0,
+                                     time_range=types.SimpleNamespace(start=next(clock)), linked_correlation_id=0)
+
+    def frames(*names):  # outermost first, as the calls were made
+        parent = None
+        for name in names:
+            parent = cpu(name, parent)
+        return parent
+
+    def kernel(name, us, id, linked=0):
+        return types.SimpleNamespace(name=name, device_type=DeviceType.CUDA, device_time=us, id=id,
+                                     linked_correlation_id=linked)
+
+    model = frames("transformers/models/qwen3_5/modeling_qwen3_5.py(545): forward",
+                   "peft/tuners/lora/layer.py(1074): forward")
+    cumsum = cpu("aten::cumsum", frames("transformers/models/qwen3_5/modeling_qwen3_5.py(286): torch_chunk_gated_delta_rule"),
+                 seq=9)
+    sdpa = cpu("aten::_flash_attention_forward", frames("transformers/integrations/sdpa_attention.py(96): "
+                                                        "sdpa_attention_forward"), id=77)
+    node = cpu("autograd::engine::evaluate_function: CumsumBackward0", seq=9, thread=2, fwd_thread=1)
+    cast = cpu("aten::copy_", cpu("aten::_to_copy", cpu("autograd::engine::evaluate_function: ToCopyBackward0",
+                                                        seq=50, thread=2, fwd_thread=1)))
+    launches = [
+        cpu("cudaLaunchKernel", cpu("aten::mm", model, seq=7), id=101),
+        cpu("cuLaunchKernel", frames("/site-packages/q35lab/ops/swiglu.py(210): swiglu"), id=102),
+        cpu("cuLaunchKernel", frames("axolotl/kernels/swiglu.py(80): swiglu_forward"), id=103),
+        cpu("cudaLaunchKernel", cumsum, id=104),
+        cpu("cudaLaunchKernel", cpu("aten::flip", node, thread=2), id=105),
+        cpu("cudaLaunchKernel", cast, id=106),
+    ]
+    kernels = [
+        kernel("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", 500, 101),
+        kernel("_swiglu_fwd_kernel", 100, 102),
+        kernel("_swiglu_fwd_kernel", 50, 103),  # axolotl's kernel of the same name
+        kernel("void at::native::tensor_kernel_scan_innermost_dim<float, std::plus<float>>", 80, 104),
+        kernel("void at::native::elementwise_kernel<128, 2, flip_kernel_impl<float>>", 70, 105),
+        kernel("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>", 150, 106),
+        kernel("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<256>>", 40, 900, linked=77),
+        kernel("Memset (Device)", 10, 999),  # launched by nothing the profile recorded
+    ]
+    others = [node, cast.cpu_parent, cast.cpu_parent.cpu_parent, sdpa]
+    events = [*launches, *kernels, *others]
+    for e in list(events):
+        while getattr(e, "cpu_parent", None) is not None and e.cpu_parent not in events:
+            events.append(e.cpu_parent)
+            e = e.cpu_parent
+    return events
+
+
+def test_the_breakdown_groups_device_time_by_category_and_names_the_launching_code():
+    from q35lab.bench.e2e import breakdown
+
+    rows = {row["category"]: row for row in breakdown.breakdown(_profile_of_a_step())}
+    assert list(rows) == list(breakdown.CATEGORIES)
+    assert {c: round(r["ms"], 6) for c, r in rows.items()} == {
+        "GEMM": 0.5, "attention": 0.04, "delta rule": 0.15, "conv": 0.0, "q35lab kernels": 0.1, "copies/casts": 0.15,
+        "other elementwise": 0.06}
+    assert sum(r["share"] for r in rows.values()) == pytest.approx(1.0) and rows["GEMM"]["share"] == pytest.approx(0.5)
+    sources = {c: json.loads(r["sources"]) for c, r in rows.items()}
+    assert sources["GEMM"] == {} and sources["conv"] == {}  # GEMM's are not named; conv took nothing
+    assert sources["attention"] == {"transformers:sdpa_attention.sdpa_attention_forward": 0.04}  # the op it is linked to
+    assert sources["delta rule"] == {  # aten kernels of the PyTorch delta rule, its backward named by its forward op
+        "transformers:modeling_qwen3_5.torch_chunk_gated_delta_rule": 0.08,
+        "backward of transformers:modeling_qwen3_5.torch_chunk_gated_delta_rule": 0.07}
+    assert sources["q35lab kernels"] == {"q35lab:swiglu.swiglu": 0.1}
+    assert sources["copies/casts"] == {"backward: ToCopyBackward0": 0.15}  # a node whose forward op is unknown
+    assert sources["other elementwise"] == {"axolotl:swiglu.swiglu_forward": 0.05, "no Python frame": 0.01}
+    coarse = {r["category"]: json.loads(r["sources"]) for r in breakdown.breakdown(_profile_of_a_step(), threshold=0.1)}
+    assert coarse["attention"] == {} and len(coarse["delta rule"]) == 2  # 4% is below the threshold, 15% above
+
+
+def test_breakdown_writes_one_row_per_category_beside_the_floor(tmp_path):
+    """The CLI's --breakdown on the CPU: one more step profiled (aten ops stand in for kernels),
+    the floor's rates measured (no ceilings without a GPU), rows beside end_to_end.csv."""
+    out = tmp_path / "end_to_end.csv"
+    assert e2e.main(["--variants", "peft", "--size", "tiny", "--T", "16", "--steps", "1", "--warmup", "0", "--breakdown",
+                     "--out", str(out)]) == 0
+    import pandas as pd
+
+    steps, categories = pd.read_csv(out), pd.read_csv(tmp_path / "step_breakdown.csv")
+    assert {"step_ms", "core_ms", "peak_gib", "device_ms", "floor_ms"} <= set(steps.columns), steps.note.tolist()
+    assert list(categories.category) == ["GEMM", "attention", "delta rule", "conv", "q35lab kernels", "copies/casts",
+                                         "other elementwise"]
+    assert (categories[["variant", "T", "size", "layers"]].drop_duplicates().values.tolist() == [["peft", 16, "tiny", 4]])
+    # (five significant digits in the CSV)
+    assert categories.share.sum() == pytest.approx(1.0, rel=1e-4)
+    assert categories.ms.sum() == pytest.approx(categories.device_ms[0], rel=1e-4)
+    assert (categories.sdpa_layer_ms > 0).all() and (categories.core_layer_ms > 0).all()
+    assert (categories.floor_gemm_tflop > 0).all() and categories.floor_total_ms.isna().all()  # no ceilings on a CPU
+    delta = json.loads(categories.set_index("category").loc["delta rule", "sources"])
+    assert "transformers:modeling_qwen3_5.torch_chunk_gated_delta_rule" in delta

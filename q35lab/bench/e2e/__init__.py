@@ -5,16 +5,21 @@
 * ``timer``: device time of regions of a step (``RegionTimer``: the delta-rule core, in_proj);
 * ``step``: a training step and its measurement (``train_step``, ``measure``, ``measure_layer``);
 * ``memory``: what is alive at a step's peak (``memory_at_peak``, ``peak_breakdown``);
+* ``floor``: what a step's work costs at this GPU's rates (``step_floor``, ``floor_inputs``);
+* ``breakdown``: its device time by kernel category and source (``categorize``, ``breakdown``);
 * ``cli``: one process per variant, rows merged into the CSV (``main``, ``merge_rows``).
 """
 
+from .breakdown import CATEGORIES, breakdown, categorize, profile_step
 from .cli import _one_variant, _parser, _sizes, main, merge_rows
-from .memory import PEAK_SOURCES, allocation_source, memory_at_peak, out_of_memory_note, peak_breakdown
+from .floor import floor_inputs, step_floor
+from .memory import SOURCES, allocation_source, memory_at_peak, out_of_memory_note, peak_breakdown
 from .model import SIZES, build, config
 from .step import IN_PROJ_NAMES, measure, measure_layer, tokens, toy_corpus, train_step
 from .timer import CORE_FUNCTIONS, RegionTimer, _Stamp
 from .variants import ALL_FLAGS, VARIANTS, _axolotl_patches, prepare
 
-__all__ = ["ALL_FLAGS", "CORE_FUNCTIONS", "IN_PROJ_NAMES", "PEAK_SOURCES", "SIZES", "VARIANTS", "RegionTimer",
-           "allocation_source", "build", "config", "main", "measure", "measure_layer", "memory_at_peak", "merge_rows",
-           "out_of_memory_note", "peak_breakdown", "prepare", "tokens", "toy_corpus", "train_step"]
+__all__ = ["ALL_FLAGS", "CATEGORIES", "CORE_FUNCTIONS", "IN_PROJ_NAMES", "SIZES", "SOURCES", "VARIANTS", "RegionTimer",
+           "allocation_source", "breakdown", "build", "categorize", "config", "floor_inputs", "main", "measure",
+           "measure_layer", "memory_at_peak", "merge_rows", "out_of_memory_note", "peak_breakdown", "prepare",
+           "profile_step", "step_floor", "tokens", "toy_corpus", "train_step"]

@@ -10,7 +10,10 @@ gradient checkpointing under bf16 autocast, as a fine-tuning run would. For each
   (including checkpointing's recompute) and backward; the rest is the step "outside the core";
 * the peak memory allocated, and the loss (equal across variants at the same seed);
 * with ``--memory-at-peak``, one more step with the allocator's history recorded: what is alive at
-  that step's highest point, by the code that allocated it (``peak_breakdown``).
+  that step's highest point, by the code that allocated it (``peak_breakdown``);
+* with ``--breakdown``, one more step under the profiler: its device time by kernel category and
+  the code that launched it (``breakdown``), beside the step's floor (``step_floor``), in
+  ``step_breakdown.csv`` next to ``--out``; the step's row gets its device time and floor.
 
 Patching libraries replace classes module-wide (Liger does), so the CLI runs every variant in a
 fresh process::
@@ -32,6 +35,8 @@ from pathlib import Path
 import torch
 
 from ..core import read_csv, run_info
+from .breakdown import breakdown, profile_step
+from .floor import floor_inputs, step_floor
 from .memory import memory_at_peak, out_of_memory_note
 from .model import SIZES, build
 from .step import measure, measure_layer
@@ -73,6 +78,30 @@ def _measured(model, T: int, args) -> dict:
         return dict(status="error", note=f"{type(exc).__name__}: {exc}"[:300])
 
 
+def _breakdown_lines(out) -> Path:
+    """Where the children collect the breakdown's rows: beside the step rows' lines (or CSV)."""
+    return Path(out).with_name("step_breakdown.jsonl")
+
+
+def _breakdown(model, T: int, args, key: dict) -> dict:
+    """``--breakdown``: one more step profiled, its categories and the floor's terms appended as
+    rows to ``step_breakdown.jsonl``; returns what the step's row records of them."""
+    try:  # an extra, optional look: its failure must not cost the measured row
+        rows = breakdown(profile_step(model, T, compile=args.compile))
+        rates = floor_inputs(model, T)
+        floor = step_floor(model.config.get_text_config(), T, args.rank, **rates)
+    except Exception as exc:  # out of memory included
+        return {"note": f"breakdown failed: {type(exc).__name__}: {exc}"[:300]}
+    device_ms = sum(row["ms"] for row in rows)
+    beside = {"device_ms": device_ms, **{f"floor_{term}": value for term, value in floor.items()},
+              "matmul_tflops": rates["matmul_tflops"], "copy_gbps": rates["copy_gbps"],
+              "sdpa_layer_ms": rates["sdpa_ms"], "core_layer_ms": rates["core_ms"]}
+    with open(_breakdown_lines(args.out), "a") as f:
+        for row in rows:
+            f.write(json.dumps({**key, **row, **beside}) + "\n")
+    return {"device_ms": device_ms, "floor_ms": floor["total_ms"]}
+
+
 def _one_variant(args) -> None:
     """Runs in its own process: build, patch, measure every T, append JSON lines to --out."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -83,12 +112,15 @@ def _one_variant(args) -> None:
     except ImportError as exc:  # a peer that is not installed is a row that says so
         report, missing = None, f"not installed: {exc.name or exc}"
     for T in _sizes(args):
-        row = {"variant": args.variant + ("+compile" if args.compile else ""), "T": T, "size": args.size,
-               "layers": model.config.get_text_config().num_hidden_layers, "rank": args.rank,
-               "status": "skipped" if missing else "ok", "note": missing,
+        key = {"variant": args.variant + ("+compile" if args.compile else ""), "T": T, "size": args.size,
+               "layers": model.config.get_text_config().num_hidden_layers, "rank": args.rank}
+        row = {**key, "status": "skipped" if missing else "ok", "note": missing,
                "report": " ".join(str(report).split())[:300] if report else ""}
         if not missing:
             row.update(_measured(model, T, args))
+        if args.breakdown and args.what == "step" and T in args.T and row["status"] == "ok":
+            looked = _breakdown(model, T, args, {**key, **info})
+            row.update(looked, note="; ".join(filter(None, (row["note"], looked.get("note")))))
         if device.type == "cuda":
             torch.cuda.empty_cache()
         row.update(info)
@@ -99,8 +131,8 @@ def _one_variant(args) -> None:
                   f"in_proj {row.get('in_proj_ms', math.nan):8.2f} ms, core {row.get('core_ms', math.nan):8.2f} ms", flush=True)
         else:
             print(f"{args.variant:22s} T={T:6d} {row['status']:5s} step {row.get('step_ms', math.nan):9.1f} ms, "
-                  f"outside core {row.get('outside_core_ms', math.nan):9.1f} ms, peak {row.get('peak_gib', math.nan):6.1f} GiB",
-                  flush=True)
+                  f"outside core {row.get('outside_core_ms', math.nan):9.1f} ms, peak {row.get('peak_gib', math.nan):6.1f} GiB"
+                  + (f", floor {row['floor_ms']:9.1f} ms" if "floor_ms" in row else ""), flush=True)
         if row["status"] == "oom":
             break  # longer sequences will not fit either (and --fit has found its limit)
 
@@ -130,6 +162,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--fit-step", type=float, default=1.25, help="with --fit: the factor between sizes tried")
     parser.add_argument("--memory-at-peak", action="store_true",
                         help="at each --T, one more step recorded by the allocator: what is alive at its peak, by source")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="at each --T, one more step profiled: device time by kernel category and its sources, beside "
+                        "the step's floor, in step_breakdown.csv next to --out (steps only)")
     parser.add_argument("--out", required=True, help="CSV to write; rows of a variant and T measured again replace theirs, others are kept "
                         "(a .jsonl of the same name collects the rows)")
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # the child process's one variant
@@ -143,8 +178,9 @@ def main(argv=None) -> int:
         return 0
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    lines = out.with_suffix(".jsonl")
+    lines, breakdown_lines = out.with_suffix(".jsonl"), _breakdown_lines(out)
     lines.unlink(missing_ok=True)
+    breakdown_lines.unlink(missing_ok=True)
     for variant in args.variants:
         child = [sys.executable, "-m", "q35lab.e2e", "--variant", variant, "--out", str(lines), "--what", args.what,
                  "--size", args.size,
@@ -152,16 +188,23 @@ def main(argv=None) -> int:
                  "--rank", str(args.rank), "--steps", str(args.steps),
                  "--warmup", str(args.warmup), "--fit-max", str(args.fit_max), "--fit-from", str(args.fit_from),
                  "--fit-step", str(args.fit_step), *(["--fit"] if args.fit else []),
-                 *(["--memory-at-peak"] if args.memory_at_peak else []),
+                 *(["--memory-at-peak"] if args.memory_at_peak else []), *(["--breakdown"] if args.breakdown else []),
                  "--T", *map(str, args.T)]
         if subprocess.run(child).returncode != 0:  # one row per size asked for, so that it replaces theirs
             with open(lines, "a") as f:
                 for T in args.T:
                     f.write(json.dumps({"variant": variant, "T": T, "status": "error", "note": "the process failed"}) + "\n")
-    rows = [json.loads(line) for line in lines.read_text().splitlines()] if lines.exists() else []
-    merge_rows(out, rows).to_csv(out, index=False, float_format="%.5g")
-    lines.unlink(missing_ok=True)
+    _merge_lines(lines, out)
+    if breakdown_lines.exists():
+        _merge_lines(breakdown_lines, out.with_name("step_breakdown.csv"))
     return 0
+
+
+def _merge_lines(lines: Path, csv: Path) -> None:
+    """The children's JSON lines merged into ``csv`` (``merge_rows``); the lines removed."""
+    rows = [json.loads(line) for line in lines.read_text().splitlines()] if lines.exists() else []
+    merge_rows(csv, rows).to_csv(csv, index=False, float_format="%.5g")
+    lines.unlink(missing_ok=True)
 
 
 def merge_rows(path: Path, rows: list[dict]):

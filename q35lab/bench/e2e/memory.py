@@ -13,20 +13,26 @@ import torch
 from .step import _training_setup, tokens, train_step
 
 
-#: Where an allocation comes from: the innermost Python frame in one of these places (not the
-#: harness's own wrappers, which sit around everything).
-PEAK_SOURCES = (("/q35lab/ops/", "q35lab"), ("/q35lab/patch.py", "q35lab"), ("liger_kernel", "liger"),
-                ("/axolotl/", "axolotl"), ("/peft/", "peft"), ("/transformers/", "transformers"),
-                ("torch/utils/checkpoint", "checkpoint"), ("torch/optim", "optimizer"))
+#: Where memory or a kernel comes from: the innermost Python frame in one of these places (not
+#: the harness's own wrappers, which sit around everything).
+SOURCES = (("/q35lab/ops/", "q35lab"), ("/q35lab/patch.py", "q35lab"), ("liger_kernel", "liger"),
+           ("/axolotl/", "axolotl"), ("/fla/", "fla"), ("/peft/", "peft"), ("/transformers/", "transformers"),
+           ("torch/utils/checkpoint", "checkpoint"), ("torch/optim", "optimizer"))
+
+
+def package_of(path: str) -> str | None:
+    """The ``SOURCES`` package a file belongs to (paths absolute, or relative to site-packages as
+    the profiler writes them), or None."""
+    path = "/" + path.replace("\\", "/").lstrip("/")
+    return next((package for marker, package in SOURCES if marker in path), None)
 
 
 def allocation_source(frames: list[dict]) -> str:
-    """``package:function`` of the innermost frame from ``PEAK_SOURCES`` (frames innermost first)."""
+    """``package:function`` of the innermost frame from ``SOURCES`` (frames innermost first)."""
     for frame in frames:
-        path = frame["filename"].replace("\\", "/")
-        for marker, package in PEAK_SOURCES:
-            if marker in path:
-                return f"{package}:{frame['name']}"
+        package = package_of(frame["filename"])
+        if package:
+            return f"{package}:{frame['name']}"
     return "other Python" if frames else "no Python frame (autograd's own backward ops)"
 
 

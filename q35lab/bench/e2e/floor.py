@@ -1,0 +1,256 @@
+"""A step's floor: the time its work would take at the rates this GPU reaches on each kind of work.
+
+``step_floor`` counts the work from the config; ``floor_inputs`` measures the rates in the same
+run (bench.core's ceilings, and the attention and delta-rule kernels the model calls, alone).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from ..core import Ceilings, kernel_ms, measure_ceilings
+from .timer import _Stamp
+
+#: Bytes of an activation element: the step trains a bf16 model under bf16 autocast.
+ACTIVATION_BYTES = 2
+
+
+@dataclass(frozen=True)
+class Linear:
+    """A linear layer of a decoder layer: ``k`` inputs, ``n`` outputs, ``rows`` rows per token (1;
+    top-k for routed experts); ``lora``: PEFT's "all-linear" wraps it (it is an ``nn.Linear``)."""
+
+    name: str
+    k: int
+    n: int
+    lora: bool = True
+    rows: int = 1
+
+
+def decoder_linears(config, layer_type: str) -> list[Linear]:
+    """Every linear layer of one decoder layer (``"full_attention"`` or ``"linear_attention"``),
+    as transformers' Qwen3.5 builds it: the attention's q_proj holds the query and its output gate
+    (2·heads·head_dim); the GatedDeltaNet's in_proj_qkv holds q, k (key heads × key dim each) and
+    v (value heads × value dim)."""
+    H = config.hidden_size
+    if layer_type == "full_attention":
+        nh, nkv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        mixer = [Linear("q_proj", H, 2 * nh * hd), Linear("k_proj", H, nkv * hd), Linear("v_proj", H, nkv * hd),
+                 Linear("o_proj", nh * hd, H)]
+    else:
+        qk, v, heads = _delta_rule_widths(config)
+        mixer = [Linear("in_proj_qkv", H, 2 * qk + v), Linear("in_proj_z", H, v), Linear("in_proj_b", H, heads),
+                 Linear("in_proj_a", H, heads), Linear("out_proj", v, H)]
+    return mixer + _mlp_linears(config)
+
+
+def _delta_rule_widths(config) -> tuple[int, int, int]:
+    """Per token: the width of q (= of k), of v, and the number of value heads of a GatedDeltaNet."""
+    nv = config.linear_num_value_heads
+    return config.linear_num_key_heads * config.linear_key_head_dim, nv * config.linear_value_head_dim, nv
+
+
+def _mlp_linears(config) -> list[Linear]:
+    """The MLP's projections; a MoE layer's router and routed experts are parameters, not
+    ``nn.Linear`` (no adapter), its shared expert and that expert's gate are linear layers."""
+    H = config.hidden_size
+    if not getattr(config, "num_experts", 0):
+        I = config.intermediate_size  # noqa: E741 (the paper's name)
+        return [Linear("gate_proj", H, I), Linear("up_proj", H, I), Linear("down_proj", I, H)]
+    top, I, shared = config.num_experts_per_tok, config.moe_intermediate_size, config.shared_expert_intermediate_size
+    return [Linear("router", H, config.num_experts, lora=False),
+            Linear("experts.gate_up_proj", H, 2 * I, lora=False, rows=top),
+            Linear("experts.down_proj", I, H, lora=False, rows=top),
+            Linear("shared_expert.gate_proj", H, shared), Linear("shared_expert.up_proj", H, shared),
+            Linear("shared_expert.down_proj", shared, H), Linear("shared_expert_gate", H, 1)]
+
+
+def linear_flop(layer: Linear, rank: int) -> int:
+    """GEMM FLOPs of one linear layer per token over a whole step under gradient checkpointing.
+
+    The frozen base ``W [n, k]``: forward ``2kn``, checkpointing's recompute ``2kn``, backward dx
+    only ``2kn`` (no dW: frozen) — ``6kn``. Its LoRA adapter ``A [r, k]``, ``B [n, r]``: forward
+    ``xA`` ``2kr`` and ``(xA)B`` ``2rn``, the same again in the recompute, backward dB ``2rn``,
+    d(xA) ``2nr``, dA ``2kr`` and dx through A ``2rk`` — ``8r(k + n)``. Routed experts count
+    ``rows`` (top-k) times."""
+    adapter = 8 * rank * (layer.k + layer.n) if layer.lora else 0
+    return layer.rows * (6 * layer.k * layer.n + adapter)
+
+
+def step_gemm_flop(config, T: int, rank: int) -> int:
+    """GEMM FLOPs of a step: ``T · (Σ_layers Σ_linear linear_flop + 4·H·V)``. The LM head
+    ``[V, H]`` is frozen, has no adapter ("all-linear" leaves the output layer out) and lies outside
+    the checkpointed layers: its forward ``2HV`` and its dx ``2HV``; the loss over its logits adds
+    no GEMM."""
+    per_token = sum(linear_flop(layer, rank) for kind in config.layer_types for layer in decoder_linears(config, kind))
+    return T * (per_token + 4 * config.hidden_size * config.vocab_size)
+
+
+def streaming_elements(config, layer_type: str) -> tuple[int, int]:
+    """Activation elements per token a decoder layer's streaming ops must read and write, (forward,
+    backward), at their minimum: each op reads its inputs and writes its outputs once.
+
+    Every layer: two RMSNorms over H (forward reads x, writes y: ``2H``; backward reads x and dy,
+    writes dx: ``3H``; frozen weights, no dW); two residual adds (forward ``3H``; backward the sum of
+    the two gradients meeting there, ``3H``); the SwiGLU over width I (forward reads g, u, writes h:
+    ``3I``; backward reads g, u, dh, writes dg, du: ``5I``) — a MoE layer's width is
+    ``top_k·I_expert + I_shared``, and its combine reads the top-k outputs and the shared one and
+    writes their sum (``(top_k + 2)·H`` each way; the dispatch is left to the grouped GEMM's loads).
+    Full attention: q_norm and k_norm over the heads (``2``/``3`` per element, as above); rotary on
+    the rotated part of q and k (``2`` per element each way); the output gate ``o·sigmoid(g)``
+    (forward ``3·heads·head_dim``, backward ``5·heads·head_dim``). GatedDeltaNet: the depthwise
+    causal conv over q, k, v (forward ``2C``, backward ``3C``, frozen filter) and the gated norm
+    (forward reads x, z, writes y: ``3v``; backward ``5v``). Left out: the per-head gates β and g
+    (``heads`` elements, < 0.1% of a layer) and the delta-rule core, counted apart."""
+    H = config.hidden_size
+    if getattr(config, "num_experts", 0):
+        top = config.num_experts_per_tok
+        width = top * config.moe_intermediate_size + config.shared_expert_intermediate_size
+        forward, backward = 2 * 2 * H + 2 * 3 * H + 3 * width + (top + 2) * H, 2 * 3 * H + 2 * 3 * H + 5 * width + (top + 2) * H
+    else:
+        I = config.intermediate_size  # noqa: E741
+        forward, backward = 2 * 2 * H + 2 * 3 * H + 3 * I, 2 * 3 * H + 2 * 3 * H + 5 * I
+    if layer_type == "full_attention":
+        nh, nkv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        rotated = (nh + nkv) * int(hd * _partial_rotary_factor(config))
+        return (forward + 2 * (nh + nkv) * hd + 2 * rotated + 3 * nh * hd,
+                backward + 3 * (nh + nkv) * hd + 2 * rotated + 5 * nh * hd)
+    qk, v, _ = _delta_rule_widths(config)
+    conv = 2 * qk + v
+    return forward + 2 * conv + 3 * v, backward + 3 * conv + 5 * v
+
+
+def _partial_rotary_factor(config) -> float:
+    """The share of a head's dims that rotary rotates (Qwen3.5: 0.25), where this transformers keeps it."""
+    factor = getattr(config, "partial_rotary_factor", None)
+    return factor or (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+
+
+def step_streaming_bytes(config, T: int) -> int:
+    """Streaming bytes of a step: ``b·T·(Σ_layers (2·forward + backward) + 2H + 3H)`` with the
+    elements of ``streaming_elements`` (the forward twice: gradient checkpointing recomputes it)
+    and the final norm once each way; ``b`` = 2 (bf16 activations)."""
+    per_token = 0
+    for kind in config.layer_types:
+        forward, backward = streaming_elements(config, kind)
+        per_token += 2 * forward + backward
+    return ACTIVATION_BYTES * T * (per_token + 5 * config.hidden_size)
+
+
+def step_floor(config, T: int, rank: int, matmul_tflops: float, copy_gbps: float, sdpa_ms: float | None,
+               core_ms: float | None) -> dict:
+    """The step's floor, term by term (ms):
+
+    * ``gemm_ms`` = ``step_gemm_flop / (matmul_tflops · 1e9)``: every GEMM at the run's bf16 matmul rate;
+    * ``attention_ms`` = full-attention layers × ``sdpa_ms``, one layer's SDPA as the step runs it
+      (forward, recompute, backward), measured alone at the same shapes;
+    * ``core_ms`` = GatedDeltaNet layers × ``core_ms``, one layer's delta-rule core the same way;
+    * ``streaming_ms`` = ``step_streaming_bytes / (copy_gbps · 1e6)``: norms, SwiGLU, conv,
+      rotary, gates and residual adds at the run's copy speed;
+    * ``total_ms``, their sum; beside them the counts, ``gemm_tflop`` and ``streaming_gb``.
+
+    An unknown rate (None or NaN) makes its term and the total NaN."""
+    kinds = list(config.layer_types)
+    flop, nbytes = step_gemm_flop(config, T, rank), step_streaming_bytes(config, T)
+    terms = {"gemm_ms": flop / (matmul_tflops * 1e9), "attention_ms": kinds.count("full_attention") * _known(sdpa_ms),
+             "core_ms": kinds.count("linear_attention") * _known(core_ms), "streaming_ms": nbytes / (copy_gbps * 1e6)}
+    return {**terms, "total_ms": sum(terms.values()), "gemm_tflop": flop / 1e12, "streaming_gb": nbytes / 1e9}
+
+
+def _known(value: float | None) -> float:
+    return math.nan if value is None else value
+
+
+# ----------------------------------------------------------------------------------------------
+# The rates, measured in the same run
+# ----------------------------------------------------------------------------------------------
+def floor_inputs(model, T: int) -> dict:
+    """``step_floor``'s rates for ``model`` at ``T``: bench.core's copy and matmul ceilings (NaN on
+    a CPU) and one layer's SDPA and delta-rule core alone, as the step runs them."""
+    device = next(model.parameters()).device
+    ceilings = measure_ceilings() if device.type == "cuda" else Ceilings(math.nan, math.nan)
+    return {"matmul_tflops": ceilings.matmul_tflops, "copy_gbps": ceilings.copy_gbps,
+            "sdpa_ms": attention_alone_ms(model, T), "core_ms": delta_rule_alone_ms(model, T)}
+
+
+def attention_alone_ms(model, T: int) -> float:
+    """One full-attention layer's attention at ``T`` tokens, alone: the attention function this
+    model is configured with (SDPA by default), on its own attention module, bf16 q [1, heads, T,
+    head_dim] and k, v with the key/value heads, forward, recompute and backward. NaN without such
+    a layer."""
+    attention = next((m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "o_proj")), None)
+    if attention is None:
+        return math.nan
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    implementation = attention.config._attn_implementation
+    if implementation in ALL_ATTENTION_FUNCTIONS:
+        function = ALL_ATTENTION_FUNCTIONS[implementation]
+    else:  # "eager": the modeling module's own
+        function = sys.modules[type(attention).__module__].eager_attention_forward
+    config = attention.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    q, k, v = (_random((1, h, T, attention.head_dim), attention, seed) for seed, h in enumerate((heads, kv_heads, kv_heads)))
+    return _alone_ms(lambda: function(attention, q, k, v, None, dropout=0.0, scaling=attention.scaling)[0],
+                     (q, k, v))
+
+
+def delta_rule_alone_ms(model, T: int) -> float:
+    """One GatedDeltaNet's delta-rule core at ``T`` tokens, alone: the function the layer calls,
+    with the inputs it hands it — q, k [1, T, heads, key dim], v [1, T, value heads, value dim] in
+    bf16, fp32 log-decays g and bf16 β — forward, recompute and backward under bf16 autocast.
+    Older transformers keep the function on the layer and repeat q, k to the value heads first;
+    newer ones call the modeling module's ``torch_chunk_gated_delta_rule`` (fla's where the hub
+    kernel resolves to it) with the key heads. NaN without such a layer."""
+    gdn = next((m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
+    if gdn is None:
+        return math.nan
+    own = getattr(gdn, "chunk_gated_delta_rule", None)
+    core = own or sys.modules[type(gdn).__module__].torch_chunk_gated_delta_rule
+    qk_heads, nv = (gdn.num_v_heads if own else gdn.num_k_heads), gdn.num_v_heads
+    q, k = (_random((1, T, qk_heads, gdn.head_k_dim), gdn, seed) for seed in range(2))
+    v, beta = _random((1, T, nv, gdn.head_v_dim), gdn, 2), _random((1, T, nv), gdn, 3).sigmoid().detach().requires_grad_()
+    g = torch.nn.functional.logsigmoid(_random((1, T, nv), gdn, 4).float()).detach().requires_grad_()
+
+    def call():
+        with torch.autocast(device_type=q.device.type, dtype=torch.bfloat16):
+            return core(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
+                        use_qk_l2norm_in_kernel=True)[0]
+
+    return _alone_ms(call, (q, k, v, g, beta))
+
+
+def _random(shape, module, seed: int) -> torch.Tensor:
+    """A bf16 leaf that requires grad, on ``module``'s device."""
+    device = next(module.parameters()).device
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(shape, generator=generator).to(device, torch.bfloat16).requires_grad_()
+
+
+def _alone_ms(function, inputs, reps: int = 3) -> float:
+    """``function`` as the step runs it — forward without grad (checkpointing's first pass), forward
+    again with grad (its recompute), backward — after one unmeasured run (fla tunes each shape on
+    its first call): on a GPU the device time of its kernels, as bench.core measures kernels; on a
+    CPU host time (never a speed)."""
+    def run():
+        with torch.no_grad():
+            function()
+        out = function()
+        out.backward(torch.ones_like(out))
+        for t in inputs:
+            t.grad = None
+
+    run()
+    if inputs[0].device.type == "cuda":
+        return kernel_ms([run] * reps)
+    times = []
+    for _ in range(reps):
+        start = _Stamp("cpu")
+        run()
+        times.append(start.ms_until(_Stamp("cpu")))
+    return statistics.median(times)
