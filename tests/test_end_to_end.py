@@ -470,9 +470,7 @@ def test_the_floor_counts_every_linear_layer_of_the_model(size):
     ("_rms_norm_forward_kernel", "other elementwise"),  # Liger's
 ])
 def test_kernels_are_categorized_by_their_profiler_names(name, category):
-    from q35lab.bench.e2e import breakdown
-
-    assert breakdown.categorize(name) == category
+    assert e2e.categorize(name) == category
 
 
 def _profile_of_a_step():
@@ -536,10 +534,8 @@ def _profile_of_a_step():
 
 
 def test_the_breakdown_groups_device_time_by_category_and_names_the_launching_code():
-    from q35lab.bench.e2e import breakdown
-
-    rows = {row["category"]: row for row in breakdown.breakdown(_profile_of_a_step())}
-    assert list(rows) == list(breakdown.CATEGORIES)
+    rows = {row["category"]: row for row in e2e.breakdown(_profile_of_a_step())}
+    assert list(rows) == list(e2e.CATEGORIES)
     assert {c: round(r["ms"], 6) for c, r in rows.items()} == {
         "GEMM": 0.5, "attention": 0.04, "delta rule": 0.15, "conv": 0.0, "q35lab kernels": 0.1, "copies/casts": 0.15,
         "other elementwise": 0.06}
@@ -553,7 +549,7 @@ def test_the_breakdown_groups_device_time_by_category_and_names_the_launching_co
     assert sources["q35lab kernels"] == {"q35lab:swiglu.swiglu": 0.1}
     assert sources["copies/casts"] == {"backward: ToCopyBackward0": 0.15}  # a node whose forward op is unknown
     assert sources["other elementwise"] == {"axolotl:swiglu.swiglu_forward": 0.05, "no Python frame": 0.01}
-    coarse = {r["category"]: json.loads(r["sources"]) for r in breakdown.breakdown(_profile_of_a_step(), threshold=0.1)}
+    coarse = {r["category"]: json.loads(r["sources"]) for r in e2e.breakdown(_profile_of_a_step(), threshold=0.1)}
     assert coarse["attention"] == {} and len(coarse["delta rule"]) == 2  # 4% is below the threshold, 15% above
 
 

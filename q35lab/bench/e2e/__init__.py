@@ -6,11 +6,11 @@
 * ``step``: a training step and its measurement (``train_step``, ``measure``, ``measure_layer``);
 * ``memory``: what is alive at a step's peak (``memory_at_peak``, ``peak_breakdown``);
 * ``floor``: what a step's work costs at this GPU's rates (``step_floor``, ``floor_inputs``);
-* ``breakdown``: its device time by kernel category and source (``categorize``, ``breakdown``);
+* ``kernels``: its device time by kernel category and source (``categorize``, ``breakdown``);
 * ``cli``: one process per variant, rows merged into the CSV (``main``, ``merge_rows``).
 """
 
-from .breakdown import CATEGORIES, breakdown, categorize, profile_step
+from .kernels import CATEGORIES, breakdown, categorize, profile_step
 from .cli import _one_variant, _parser, _sizes, main, merge_rows
 from .floor import floor_inputs, step_floor
 from .memory import SOURCES, allocation_source, memory_at_peak, out_of_memory_note, peak_breakdown

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from ..core import read_csv, run_info
-from .breakdown import breakdown, profile_step
+from .kernels import breakdown, profile_step
 from .floor import floor_inputs, step_floor
 from .memory import memory_at_peak, out_of_memory_note
 from .model import SIZES, build
