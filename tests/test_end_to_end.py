@@ -1,5 +1,6 @@
 """A whole Qwen3.5 + PEFT training run, patched and unpatched (tiny model, CPU interpreter)."""
 
+import collections
 import json
 import math
 
@@ -244,16 +245,20 @@ def test_a_second_run_keeps_the_rows_it_did_not_measure_again(tmp_path):
 # ----------------------------------------------------------------------------------------------
 @pytest.fixture
 def axolotl_on_this_device(monkeypatch):
-    """axolotl importable, its class-level patches undone after the test; on the CPU, stand-ins for
+    """axolotl importable, its class-level patches undone after the test (the forwards it rewrites,
+    the classes its Liger integration swaps in the modeling module); on the CPU, stand-ins for
     the CUDA-only plumbing around its kernels (the Triton kernels and autograd functions stay its own):
     the gated norm's CUDA guard and SM-count query, the interpreter's missing libdevice ``rsqrt``,
     and the SwiGLU launcher's output hard-coded on ``device="cuda"``."""
-    for name in ("bitsandbytes", "axolotl.kernels.lora", "axolotl.kernels.rms_norm_gated", "axolotl.utils.dict"):
+    for name in ("bitsandbytes", "axolotl.kernels.lora", "axolotl.kernels.rms_norm_gated", "axolotl.utils.dict",
+                 "liger_kernel"):
         pytest.importorskip(name)
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-    classes = [hf.Qwen3_5Attention, hf.Qwen3_5DecoderLayer, hf.Qwen3_5GatedDeltaNet]
+    classes = [hf.Qwen3_5Attention, hf.Qwen3_5DecoderLayer, hf.Qwen3_5GatedDeltaNet, hf.Qwen3_5ForCausalLM]
     saved = [dict(vars(c)) for c in classes]
+    for name in ("Qwen3_5RMSNorm", "Qwen3_5RMSNormGated", "Qwen3_5MLP"):
+        monkeypatch.setattr(hf, name, getattr(hf, name))  # restored at teardown
     if device().type == "cpu":
         import types
 
@@ -356,6 +361,54 @@ def test_axolotl_packing_forward_runs_the_gated_delta_net_in_proj_and_out_proj_k
     if modeling.fla_chunk_gated_delta_rule is None:
         with pytest.raises(RuntimeError, match="flash-linear-attention"):
             model(input_ids=e2e.toy_corpus(1, 8, 256).to(device()))
+
+
+def test_axolotl_recipe_builds_liger_norms_and_loss_around_axolotl_lora_kernels(axolotl_on_this_device):
+    """peft+liger+axolotl: Liger's RMSNorm and FLCE, axolotl's LoRA kernels and gated norm; the MLP is
+    Liger's SwiGLU class, its forward axolotl's LoRA_MLP (bound later). The modules are rebuilt around
+    the built model's own weights and PEFT layers: the parameters are the same ones."""
+    model = _model()
+    before = dict(model.named_parameters())
+    report = e2e.prepare(model, "peft+liger+axolotl")
+    from axolotl.integrations.liger.models.qwen3_5 import lce_forward  # (axolotl's training stack kept out by prepare)
+    from axolotl.monkeypatch.lora_kernels import apply_lora_mlp_swiglu
+
+    assert report.startswith("Liger: RMSNorm on 11, SwiGLU MLP class on 4 (its forward replaced by LoRA_MLP on 4), "
+                             "Liger's fused linear cross entropy; axolotl: lora_mlp_kernel on 4 MLPs"), report
+    assert "qkv on 1 and o on 1 attentions" in report and "gated norm 3" in report
+    kinds = collections.Counter(type(m).__name__ for m in model.modules())
+    assert (kinds["LigerSwiGLUMLP"], kinds["FusedRMSNormGated"], kinds["Qwen3_5RMSNorm"], kinds["Qwen3_5MLP"]) == (4, 3, 0, 0)
+    norms = [m for m in model.modules() if type(m).__name__ == "LigerRMSNormForQwen3_5"]
+    assert len(norms) == 11 and all((n.offset, n.casting_mode, n.in_place) == (1.0, "gemma", False) for n in norms)
+    mlps = [m for m in model.modules() if type(m).__name__ == "LigerSwiGLUMLP"]
+    assert all(m.forward.__func__ is apply_lora_mlp_swiglu for m in mlps)
+    assert type(model.get_base_model()).forward is lce_forward
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys() and all(after[n] is p for n, p in before.items())
+
+
+@pytest.mark.skipif(device().type != "cuda", reason="Liger's Triton kernels do not run under the Triton interpreter")
+def test_axolotl_recipe_matches_peft_loss_and_lora_gradients(axolotl_on_this_device, monkeypatch):
+    """Liger's SwiGLU never runs (LoRA_MLP's own does); its norms run in the forward and in the
+    recompute, its FLCE once; the loss and the LoRA gradients are PEFT's."""
+    from axolotl.kernels import lora
+    from liger_kernel import ops
+
+    ids = e2e.toy_corpus(2, 24, 256, seed=9).to(device())
+    reference = _loss_and_lora_grads(_model(), ids)  # before the class-level patches
+    model = _model()
+    e2e.prepare(model, "peft+liger+axolotl")
+    axolotl_calls = _counting(monkeypatch, lora, ["LoRA_MLP", "LoRA_QKV"])
+    liger_calls = _counting(monkeypatch, ops, ["LigerRMSNormFunction", "LigerSiLUMulFunction",
+                                               "LigerFusedLinearCrossEntropyFunction"])
+    loss, grads = _loss_and_lora_grads(model, ids)
+    assert axolotl_calls == {"LoRA_MLP": 2 * 4, "LoRA_QKV": 2}  # forward and checkpointing's recompute
+    assert liger_calls == {"LigerRMSNormFunction": 2 * 10 + 1, "LigerSiLUMulFunction": 0,  # 10 norms a pass, the
+                           "LigerFusedLinearCrossEntropyFunction": 1}                      # final norm once
+    assert loss == pytest.approx(reference[0], rel=1e-4)
+    assert grads.keys() == reference[1].keys() and len(grads) == 62
+    for name, expected in reference[1].items():
+        assert (grads[name] - expected).abs().max() <= 2e-3 * expected.abs().max(), name
 
 
 def test_real_sizes_have_their_published_dimensions():
