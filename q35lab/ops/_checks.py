@@ -46,3 +46,14 @@ def check_eps(eps: object) -> float:
     if not (value > 0.0 and value < float("inf")):
         raise ValueError(f"eps: expected a positive finite float, got {eps!r}")
     return value
+
+
+def check_like(name: str, value: torch.Tensor, like_name: str, like: torch.Tensor) -> None:
+    """Raise unless ``value`` has the shape (``ValueError``) and dtype (``TypeError``) of ``like``,
+    itself at least 1-D (the width is its last dimension)."""
+    if like.dim() == 0:
+        raise ValueError(f"{like_name}: expected at least one dimension (the width), got a scalar")
+    if value.shape != like.shape:
+        raise ValueError(f"{name}: expected the shape of {like_name} {tuple(like.shape)}, got {tuple(value.shape)}")
+    if value.dtype != like.dtype:
+        raise TypeError(f"{name}: expected the dtype of {like_name} ({like.dtype}), got {value.dtype}")

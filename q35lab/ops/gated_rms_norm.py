@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from ._autograd import first_order_only
-from ._checks import check_eps, check_float_tensor, check_same_device, check_weight
+from ._checks import check_eps, check_float_tensor, check_like, check_same_device, check_weight
 from ._compile import opaque_to_compile
 from ._launch import as_rows
 from ._reduce import sum_partials
@@ -325,12 +325,7 @@ def gated_rms_norm(
     check_float_tensor("x", x)
     check_float_tensor("gate", gate)
     check_float_tensor("weight", weight)
-    if x.dim() == 0:
-        raise ValueError("x: expected at least one dimension (the head width), got a scalar")
-    if gate.shape != x.shape:
-        raise ValueError(f"gate: expected the shape of x {tuple(x.shape)}, got {tuple(gate.shape)}")
-    if gate.dtype != x.dtype:
-        raise TypeError(f"gate: expected the dtype of x ({x.dtype}), got {gate.dtype}")
+    check_like("gate", gate, "x", x)
     check_weight("weight", weight, x.shape[-1])
     check_same_device(x=x, gate=gate, weight=weight)
     eps = check_eps(eps)

@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 
 from ._autograd import first_order_only
-from ._checks import check_float_tensor, check_same_device
+from ._checks import check_float_tensor, check_like, check_same_device
 from ._compile import opaque_to_compile
 from ._tuned import tuned_fields
 
@@ -541,12 +541,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, rounding: str = "hf", inplac
     """
     check_float_tensor("gate", gate)
     check_float_tensor("up", up)
-    if gate.dim() == 0:
-        raise ValueError("gate: expected at least one dimension (the intermediate width), got a scalar")
-    if up.shape != gate.shape:
-        raise ValueError(f"up: expected the shape of gate {tuple(gate.shape)}, got {tuple(up.shape)}")
-    if up.dtype != gate.dtype:
-        raise TypeError(f"up: expected the dtype of gate ({gate.dtype}), got {up.dtype}")
+    check_like("up", up, "gate", gate)
     check_same_device(gate=gate, up=up)
     _check_rounding(rounding)
     return SwiGLUFunction.apply(gate, up, rounding, None, _inplace_mode(inplace_backward))
