@@ -539,17 +539,17 @@ class _MLPForward(_Forward):
 def _patch_mlp(mlp: torch.nn.Module, report: "PatchReport") -> None:
     _override_forward(mlp, _MLP, _MLPForward, _mlp_problem(mlp), f"{type(mlp).__name__} (SwiGLU)", report)
     forward = vars(mlp).get("forward")
-    if isinstance(forward, _MLPForward) and forward.group is not None and _marked(mlp, _MLP) is True:
+    if _marked(mlp, _MLP) is True and forward.group is not None:  # newly patched, gate and up fused
         for proj in forward.group.modules:  # the group computes them: no routing of their own
             _unroute_lora(proj, PatchReport())
+        object.__setattr__(mlp, _MLP, forward.group)  # the mark is the group, as for the in_proj
         report.replaced[f"{type(mlp).__name__} gate/up (2 projections, 1 node)"] += 1
-        object.__setattr__(mlp, _MLP, "fused")
 
 
 def _unpatch_mlp(mlp: torch.nn.Module, report: "PatchReport") -> None:
-    forward = vars(mlp).get("forward")
-    if isinstance(forward, _MLPForward) and forward.group is not None and forward.group.packed:
-        unpack_rows([_base_layer(m).weight for m in forward.group.modules])
+    group = _marked(mlp, _MLP)
+    if isinstance(group, _ProjectionGroup) and group.packed:
+        unpack_rows([_base_layer(m).weight for m in group.modules])
     _restore_forward(mlp, _MLP, f"{type(mlp).__name__} (SwiGLU)", report)
 
 
@@ -685,12 +685,7 @@ def _replacement_rule(module: torch.nn.Module):
 
 def _computed_by_a_fused_mlp(child: torch.nn.Module, parent: torch.nn.Module) -> bool:
     """Whether ``child`` is the gate or up projection of an MLP whose fused node computes it."""
-    return _marked(parent, _MLP) == "fused" and child in (parent.gate_proj, parent.up_proj)
-
-
-#: transformers' PyTorch delta rule against fla's, one GatedDeltaNet core at T = 32k, forward +
-#: backward, on an H200 (2026-12-01: 1505 ms against 8.1 ms; ../shared/GPU.md).
-FALLBACK_CORE_SLOWDOWN = 185
+    return isinstance(_marked(parent, _MLP), _ProjectionGroup) and child in (parent.gate_proj, parent.up_proj)
 
 
 def _triton_at_least(version: tuple[int, ...]) -> bool:
@@ -706,8 +701,8 @@ def _delta_rule_core(gdn: torch.nn.Module) -> str:
     fla = (attribute.__module__.startswith("fla") if callable(attribute)
            else importlib.util.find_spec("fla") is not None)
     if not fla:
-        return (f"transformers' PyTorch fallback, about {FALLBACK_CORE_SLOWDOWN}x slower than fla's per layer "
-                "(H200, 32k tokens): pip install flash-linear-attention (on Hopper with Triton >= 3.7.1)")
+        return ("transformers' PyTorch fallback, far slower than fla's (`python -m q35lab bench delta_rule` "
+                "measures both): pip install flash-linear-attention (on Hopper with Triton >= 3.7.1)")
     hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
     if hopper and not _triton_at_least((3, 7, 1)):
         return ("flash-linear-attention's, whose backward refuses Hopper with this Triton (< 3.7.1, fla#640): "
