@@ -223,6 +223,23 @@ def test_unknown_variant_is_refused():
         e2e.prepare(_model(), "fastest")
 
 
+def test_long_context_variants_tile_the_mlps_and_offload_what_the_host_holds(monkeypatch):
+    from q35lab.bench.e2e import variants
+
+    model = _model()
+    report = e2e.prepare(model, "q35lab+long", tokens=16)
+    assert any("tiled" in name for name in report.replaced), report
+    assert any("offloaded" in name for name in report.replaced), report
+    layers = model.config.get_text_config().num_hidden_layers
+    per_layer = 4096 * model.config.get_text_config().hidden_size * 2
+    monkeypatch.setattr("q35lab.long_context.host_memory_available", lambda: 10 * 2**30 + 2.5 * per_layer)
+    assert variants.offloadable_layers(model, 4096) == min(layers, 2)
+    monkeypatch.setattr("q35lab.long_context.host_memory_available", lambda: None)
+    assert variants.offloadable_layers(model, 4096) == layers
+    tiled_only = e2e.prepare(_model(), "q35lab+tiled", tokens=16)
+    assert not any("offloaded" in name for name in tiled_only.replaced), tiled_only
+
+
 def test_a_second_run_keeps_the_rows_it_did_not_measure_again(tmp_path):
     path = tmp_path / "end_to_end.csv"
     first = [{"variant": v, "T": t, "step_ms": 1.0} for v in ("peft", "q35lab") for t in (8192, 32768)]

@@ -108,7 +108,7 @@ def _one_variant(args) -> None:
     info = run_info()
     model = build(args.size, args.layers, args.rank, device=device)
     try:
-        report, missing = prepare(model, args.variant), ""
+        report, missing = prepare(model, args.variant, tokens=max(_sizes(args))), ""
     except ImportError as exc:  # a peer that is not installed is a row that says so
         report, missing = None, f"not installed: {exc.name or exc}"
     for T in _sizes(args):

@@ -9,7 +9,15 @@ import sys
 import torch
 
 #: What each variant does to the PEFT model: q35lab flags, or a peer's patch.
-ALL_FLAGS = ("rms_norm", "gated_norm", "lora", "in_proj", "flce")
+ALL_FLAGS = ("rms_norm", "gated_norm", "lora", "in_proj", "flce", "conv", "swiglu")
+#: Long-context options on top of every optimization (``q35lab.long_context``): the MLP in tiles of
+#: this many tokens, and the decoder layers' checkpoint inputs offloaded to host memory.
+TILE_TOKENS = 8192
+LONG_CONTEXT = {
+    "q35lab+tiled": "q35lab with the sequence-tiled MLP (tiles of 8192 tokens)",
+    "q35lab+offload": "q35lab with decoder-layer checkpoints offloaded to host memory (as many layers as it holds)",
+    "q35lab+long": "q35lab with both: the tiled MLP and the checkpoint offload",
+}
 VARIANTS = {
     "peft": "PEFT with its defaults (fp32 adapters, input cast)",
     "peft+liger": "PEFT + apply_liger_kernel_to_qwen3_5 (RMSNorm, SwiGLU, fused linear cross entropy)",
@@ -19,11 +27,13 @@ VARIANTS = {
                           "axolotl's LoRA_MLP, bound later, replaces its forward (see _axolotl_patches)",
     "q35lab": "PEFT + q35lab.apply_to_qwen3_5, every optimization",
     **{f"q35lab:{flag}": f"PEFT + q35lab, only {flag}" for flag in ALL_FLAGS},
+    **LONG_CONTEXT,
 }
 
 
-def prepare(model, variant: str):
-    """Apply ``variant`` to a PEFT model in place; returns what the patch reported (or None)."""
+def prepare(model, variant: str, tokens: int | None = None):
+    """Apply ``variant`` to a PEFT model in place; returns what the patch reported (or None).
+    ``tokens``, the longest sequence the model will train on, sizes the checkpoint offload."""
     if variant not in VARIANTS:
         raise ValueError(f"variant: expected one of {sorted(VARIANTS)}, got {variant!r}")
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -38,8 +48,29 @@ def prepare(model, variant: str):
         return _axolotl_patches(model, liger=variant == "peft+liger+axolotl")
     from ...patch import apply_to_qwen3_5
 
+    if variant in LONG_CONTEXT:
+        options = {}
+        if variant != "q35lab+offload":
+            options["tiled_mlp"] = TILE_TOKENS
+        if variant != "q35lab+tiled":
+            options["offload_checkpoints"] = offloadable_layers(model, tokens)
+        return apply_to_qwen3_5(model, **options)
     flags = dict.fromkeys(ALL_FLAGS, True) if variant == "q35lab" else {f: f == variant.split(":")[1] for f in ALL_FLAGS}
     return apply_to_qwen3_5(model, **flags)
+
+
+def offloadable_layers(model, tokens: int | None, reserve_bytes: float = 10 * 2**30) -> int:
+    """How many decoder layers' checkpoint inputs (``tokens`` · hidden · 2 bytes each) the host
+    memory holds, less ``reserve_bytes`` for the process and the data: every layer where it can."""
+    from ...long_context import host_memory_available
+
+    config = model.config.get_text_config()
+    layers = config.num_hidden_layers
+    host = host_memory_available()
+    if tokens is None or host is None:
+        return layers
+    per_layer = tokens * config.hidden_size * 2
+    return max(1, min(layers, int((host - reserve_bytes) // per_layer)))
 
 
 def _axolotl_patches(model, packing: bool | None = None, liger: bool = False) -> str:
