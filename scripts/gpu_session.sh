@@ -17,11 +17,11 @@ e2e() {  # e2e SECONDS VARIANTS T ARGS...
 }
 case $stage in
   ops)
-    STEPS=tests TIMEOUT_tests=170 TESTS="tests/test_causal_conv1d.py tests/test_swiglu.py tests/test_module_behaviour.py
+    STEPS=tests TIMEOUT_tests=120 TESTS="tests/test_causal_conv1d.py tests/test_swiglu.py tests/test_module_behaviour.py
         tests/test_long_context.py tests/test_patch.py" bash scripts/gpu_run.sh
-    STEPS=check,bench OPS="causal_conv1d swiglu" BENCH_T="32768 131072" STEP_TIMEOUT=50 bash scripts/gpu_run.sh
+    STEPS=check,bench OPS="causal_conv1d swiglu" BENCH_T="32768 131072" STEP_TIMEOUT=45 bash scripts/gpu_run.sh
     e2e 75 q35lab 32768 --size h200 --steps 3
-    e2e 140 q35lab 32768 --size h200 --steps 3 --compile
+    e2e 130 q35lab 32768 --size h200 --steps 3 --compile
     e2e 170 q35lab 32768 --size 9b --steps 2 --breakdown
     ;;
   peers)
