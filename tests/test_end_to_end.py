@@ -40,16 +40,16 @@ def _train(model, steps, accumulation=2, lr=2e-2, seq=16, batch=1):
     return losses
 
 
-def test_eight_steps_patched_follow_the_unpatched_loss_curve_and_revert_restores():
+def test_five_steps_patched_follow_the_unpatched_loss_curve_and_revert_restores():
     reference = _model()
-    unpatched = _train(reference, 8)
+    unpatched = _train(reference, 5)
     model = _model()
     adapters_before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     report = q35lab.apply_to_qwen3_5(model)
     assert set(report.replaced) >= {"Qwen3_5RMSNorm", "Qwen3_5RMSNormGated", "PEFT lora.Linear (forward)",
                                     "Qwen3_5GatedDeltaNet in_proj (4 projections, 1 node)", "Qwen3_5MLP (SwiGLU)",
                                     "Qwen3_5GatedDeltaNet causal conv1d"}
-    patched = _train(model, 8)
+    patched = _train(model, 5)
     # bf16 autocast on both sides; the kernels round in other places, so allow bf16-sized drift
     assert patched == pytest.approx(unpatched, rel=2e-2)
     trained = dict(model.named_parameters())
@@ -644,3 +644,16 @@ def test_breakdown_writes_one_row_per_category_beside_the_floor(tmp_path):
     assert (categories.floor_gemm_tflop > 0).all() and categories.floor_total_ms.isna().all()  # no ceilings on a CPU
     delta = json.loads(categories.set_index("category").loc["delta rule", "sources"])
     assert "transformers:modeling_qwen3_5.torch_chunk_gated_delta_rule" in delta
+
+
+def test_the_breakdown_of_a_profile_without_linked_correlation_ids_still_counts_every_category():
+    # torch 2.11's profiler events have no linked_correlation_id (the H200 run failed on it): the
+    # categories stay whole, and only a kernel that was reachable through that link loses its name
+    events = _profile_of_a_step()
+    for e in events:
+        del e.linked_correlation_id
+    rows = {row["category"]: row for row in e2e.breakdown(events)}
+    linked = {row["category"]: row for row in e2e.breakdown(_profile_of_a_step())}
+    assert {c: r["ms"] for c, r in rows.items()} == {c: r["ms"] for c, r in linked.items()}
+    assert json.loads(rows["attention"]["sources"]) == {"no Python frame": 0.04}
+    assert json.loads(rows["q35lab kernels"]["sources"]) == {"q35lab:swiglu.swiglu": 0.1}

@@ -120,7 +120,9 @@ class _Launchers:
         self.forward = {}  # (thread, sequence number) -> the frames of the first of them with named frames
 
     def of_kernel(self, kernel) -> tuple[list[str], str | None]:
-        linked = kernel.linked_correlation_id  # 0: linked to nothing (and the id of Python events)
+        # 0: linked to nothing (and the id of Python events); torch < 2.12's events have no such field,
+        # so there a kernel is named only through its runtime call
+        linked = getattr(kernel, "linked_correlation_id", 0)
         return self.of_op(self.runtime.get(kernel.id) or (self.ops.get(linked) if linked > 0 else None))
 
     def of_op(self, op) -> tuple[list[str], str | None]:
