@@ -1,7 +1,11 @@
+import os
 import random
 
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n 2 on a 2-core machine: one thread a worker
+    torch.set_num_threads(1)
 
 import q35lab  # noqa: F401  (selects the interpreter before any kernel is defined)
 

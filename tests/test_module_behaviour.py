@@ -118,14 +118,14 @@ def test_lora_layers_added_after_patching_are_named_and_a_second_call_routes_the
     assert "lora" not in second.not_applied
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_torch_compile_of_a_patched_peft_model_matches_eager(backend):
+def test_torch_compile_of_a_patched_peft_model_matches_eager():
+    # inductor, the backend users compile with (it traces through AOTAutograd as aot_eager does)
     model = _peft_model()
     q35lab.apply_to_qwen3_5(model)
     ids = torch.randint(0, 128, (2, 9), device=device())
     eager = loss_and_grads(model, ids)
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend)
+    compiled = torch.compile(model, backend="inductor")
 
     def compiled_step():  # the compiled module's forward; the gradients read off the model's own names
         model.zero_grad(set_to_none=True)
