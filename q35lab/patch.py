@@ -433,20 +433,72 @@ class _ConvSwitch:
         self.active = 0
         functools.update_wrapper(self, original)
 
+    def replacement(self):
+        return _CausalConv()
+
     def __call__(self, *args, **kwargs):
-        return (_CausalConv() if self.active else self.original)(*args, **kwargs)
+        return (self.replacement() if self.active else self.original)(*args, **kwargs)
+
+
+class _DeltaRuleSwitch(_ConvSwitch):
+    """Installed as a modeling module's ``torch_chunk_gated_delta_rule``: per sequence of a packed
+    row while a patched GatedDeltaNet's forward runs (``_PerSequenceDeltaRule``), as it was otherwise."""
+
+    def replacement(self):
+        return _PerSequenceDeltaRule(self.original)
+
+
+class _PerSequenceDeltaRule:
+    """transformers' PyTorch ``torch_chunk_gated_delta_rule`` takes ``cu_seqlens`` and ignores it:
+    in a packed row each sequence's recurrent state would flow into the next. Given boundaries, this
+    runs the function once per sequence (a slice of the [1, T, ...] inputs; its initial state, if
+    any, the sequence's row of ``initial_state``) and concatenates the outputs along T; the final
+    states, when asked for, are stacked one per sequence, as flash-linear-attention returns them.
+    Without boundaries, or when flash-linear-attention is installed (its kernel honours them), the
+    function runs as it is."""
+
+    def __init__(self, original):
+        self.original = original
+
+    def __call__(self, query, key, value, g, beta, *args, cu_seqlens=None, initial_state=None, **kwargs):
+        if cu_seqlens is None or importlib.util.find_spec("fla") is not None:
+            return self.original(query, key, value, g, beta, *args, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                                 **kwargs)
+        if query.shape[0] != 1:
+            raise ValueError(f"cu_seqlens: packed sequences come in one row (batch 1), got batch {query.shape[0]}")
+        bounds = cu_seqlens.tolist()  # one host sync per layer call: the fallback is slow anyway
+        if bounds[0] != 0 or bounds[-1] != query.shape[1] or any(b > e for b, e in zip(bounds, bounds[1:])):
+            raise ValueError(f"cu_seqlens: expected 0 = c0 <= c1 <= ... = {query.shape[1]} (the row's tokens), "
+                             f"got {bounds}")
+        outputs, states = [], []
+        for i, (start, end) in enumerate(zip(bounds, bounds[1:])):
+            piece = [t[:, start:end] for t in (query, key, value, g, beta)]
+            state = None if initial_state is None else initial_state[i:i + 1]
+            out, final = self.original(*piece, *args, initial_state=state, **kwargs)
+            outputs.append(out)
+            states.append(final)
+        final = torch.cat(states) if all(s is not None for s in states) else None
+        return torch.cat(outputs, dim=1), final
+
+
+#: The delta-rule switch installed in each modeling module, by module name (as for the conv).
+_DELTA_RULE_SWITCHES: dict = {}
 
 
 class _SwitchedConvForward(_Forward):
-    """A GatedDeltaNet's own forward, with its module's convolution switched to q35lab's."""
+    """A GatedDeltaNet's own forward, with its module's convolution switched to q35lab's (and its
+    PyTorch delta rule to one that honours packed sequences' boundaries)."""
 
     def __call__(self, *args, **kwargs):
-        switch = _CONV_SWITCHES[type(self.module).__module__]
-        switch.active += 1
+        name = type(self.module).__module__
+        switches = [s for s in (_CONV_SWITCHES.get(name), _DELTA_RULE_SWITCHES.get(name)) if s is not None]
+        for switch in switches:
+            switch.active += 1
         try:
             return type(self.module).forward(self.module, *args, **kwargs)
         finally:
-            switch.active -= 1
+            for switch in switches:
+                switch.active -= 1
 
 
 def _conv_style(gdn: torch.nn.Module) -> str | None:
@@ -481,9 +533,12 @@ def _patch_conv(gdn: torch.nn.Module, report: "PatchReport") -> None:
         report.replaced[label] += 1
     else:
         name = type(gdn).__module__
+        module = sys.modules[name]
         if name not in _CONV_SWITCHES:  # delegates to the original while no patched layer runs
-            module = sys.modules[name]
             _CONV_SWITCHES[name] = module.causal_conv1d_fn = _ConvSwitch(module.causal_conv1d_fn)
+        if name not in _DELTA_RULE_SWITCHES and callable(getattr(module, "torch_chunk_gated_delta_rule", None)):
+            _DELTA_RULE_SWITCHES[name] = module.torch_chunk_gated_delta_rule = _DeltaRuleSwitch(
+                module.torch_chunk_gated_delta_rule)
         _override_forward(gdn, _CONV, _SwitchedConvForward, None, label, report)
 
 
@@ -718,11 +773,26 @@ def _causal_conv(gdn: torch.nn.Module) -> str:
     return "transformers' PyTorch fallback (a depthwise nn.Conv1d between two transposes): patch with conv=True"
 
 
+def _packing(gdn: torch.nn.Module) -> str:
+    """Whether sequences packed in one row (cu_seq_lens_q) stay apart in this GatedDeltaNet."""
+    fla = importlib.util.find_spec("fla") is not None
+    conv_ok = _marked(gdn, _CONV) is not None or _conv_problem(gdn) == "the causal-conv1d CUDA package runs it"
+    core_ok = fla or type(gdn).__module__ in _DELTA_RULE_SWITCHES and _marked(gdn, _CONV) is not None
+    if conv_ok and core_ok:
+        core = "fla's delta rule" if fla else "transformers' PyTorch delta rule, run by q35lab once per sequence"
+        return f"sequences kept apart (cu_seq_lens_q): the conv honours them, and {core}"
+    missing = [what for what, ok in (("the PyTorch causal conv1d", conv_ok), ("the PyTorch delta rule", core_ok))
+               if not ok]
+    return (f"{' and '.join(missing)} ignore cu_seq_lens_q: sequences packed in one row leak into each other; "
+            "patch with conv=True (or install flash-linear-attention and causal-conv1d)")
+
+
 def _record_what_runs(model: torch.nn.Module, report: "PatchReport") -> None:
     layers = [m for m in model.modules() if _is_gated_delta_net(m)]
     if layers:
         report.runs["delta-rule core"] = _delta_rule_core(layers[0])
         report.runs["causal conv1d"] = _causal_conv(layers[0])
+        report.runs["packed batches"] = _packing(layers[0])
 
 
 def _is_qwen3_5_module(module: torch.nn.Module) -> bool:

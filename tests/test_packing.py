@@ -1,0 +1,124 @@
+"""Packed batches (issue 18): sequences of different lengths in one row, as transformers' packing
+collator makes them (position_ids restarting per sequence, cu_seq_lens_* for the GatedDeltaNet,
+the first label of each sequence masked), give per sequence what each sequence gives alone."""
+
+import copy
+
+import peft
+import pytest
+import torch
+
+import q35lab
+from q35lab.runtime import device
+
+from tiny_models import TEXT, causal_lm
+
+
+def _peft_model(seed):
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(causal_lm(), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():  # B = 0 at init would hide a wrong adapter gradient
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.2)
+    return model
+
+
+def _packed(sequences):
+    """One row, as DataCollatorWithFlattening(return_flash_attn_kwargs=True) builds it."""
+    lengths = [len(s) for s in sequences]
+    ids = torch.cat(sequences)[None]
+    labels = ids.clone()
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device())
+    labels[0, cu[:-1].long()] = -100  # a sequence's first token is not predicted from the one before it
+    positions = torch.cat([torch.arange(n, device=device()) for n in lengths])[None]
+    kwargs = dict(position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                  max_length_q=max(lengths), max_length_k=max(lengths))
+    return ids, labels, kwargs
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _packed_step(model, sequences):
+    model.zero_grad(set_to_none=True)
+    ids, labels, kwargs = _packed(sequences)
+    loss = model(input_ids=ids, labels=labels, use_cache=False, **kwargs).loss
+    loss.backward()
+    return loss.detach(), _grads(model)
+
+
+def _one_at_a_time(model, sequences):
+    """The packed loss from the sequences run alone: their token-mean losses weighted by the
+    tokens each predicts (L - 1), over all predicted tokens."""
+    model.zero_grad(set_to_none=True)
+    predicted = sum(len(s) - 1 for s in sequences)
+    total = 0.0
+    for s in sequences:
+        if len(s) == 1:  # predicts nothing (alone its mean loss is over no tokens: NaN)
+            continue
+        loss = model(input_ids=s[None], labels=s[None], use_cache=False).loss * (len(s) - 1) / predicted
+        loss.backward()
+        total = total + loss.detach()
+    return total, _grads(model)
+
+
+def _assert_same(a, b, rtol=1e-4, atol=1e-5):
+    (loss_a, grads_a), (loss_b, grads_b) = a, b
+    torch.testing.assert_close(loss_a, loss_b, rtol=rtol, atol=atol)
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=rtol, atol=atol, msg=name)
+
+
+# Lengths around the conv window (4 taps): a sequence shorter than it, one of one token, and
+# boundaries that fall inside a window of the one before.
+LENGTHS = [[5, 9, 3], [1, 6, 2, 7]]
+
+
+@pytest.mark.parametrize("lengths", LENGTHS, ids=lambda ls: "-".join(map(str, ls)))
+def test_a_packed_row_gives_the_loss_and_gradients_of_its_sequences_run_alone(lengths):
+    model = _peft_model(seed=0)
+    report = q35lab.apply_to_qwen3_5(model)
+    assert "sequence" in report.runs["packed batches"]
+    sequences = [torch.randint(0, TEXT["vocab_size"], (n,), device=device()) for n in lengths]
+    _assert_same(_packed_step(model, sequences), _one_at_a_time(model, sequences))
+
+
+def test_the_patched_packed_row_matches_the_unpatched_model_run_one_sequence_at_a_time():
+    sequences = [torch.randint(0, TEXT["vocab_size"], (n,), device=device()) for n in (6, 4, 8)]
+    unpatched = _peft_model(seed=1)
+    patched = copy.deepcopy(unpatched)
+    q35lab.apply_to_qwen3_5(patched)
+    _assert_same(_packed_step(patched, sequences), _one_at_a_time(unpatched, sequences))
+
+
+def test_without_the_conv_patch_the_report_says_packed_sequences_leak():
+    model = _peft_model(seed=2)
+    report = q35lab.apply_to_qwen3_5(model, conv=False)
+    assert "ignore" in report.runs["packed batches"] and "conv=True" in report.runs["packed batches"]
+
+
+def test_the_per_sequence_delta_rule_checks_its_boundaries():
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
+
+    from q35lab.patch import _PerSequenceDeltaRule
+
+    rule = _PerSequenceDeltaRule(modeling.torch_chunk_gated_delta_rule)
+    q = torch.randn(1, 7, 2, 8, device=device())
+    g, beta = -torch.rand(1, 7, 2, device=device()), torch.rand(1, 7, 2, device=device())
+    with pytest.raises(ValueError, match="cu_seqlens: expected 0 = c0"):
+        rule(q, q, q, g, beta, cu_seqlens=torch.tensor([0, 3, 6], device=device()))
+    with pytest.raises(ValueError, match="cu_seqlens: packed sequences come in one row"):
+        rule(q.expand(2, -1, -1, -1), q.expand(2, -1, -1, -1), q.expand(2, -1, -1, -1), g.expand(2, -1, -1),
+             beta.expand(2, -1, -1), cu_seqlens=torch.tensor([0, 7], device=device()))
+    # two sequences: each one's output is the function's on that sequence alone, and the final states stack
+    out, final = rule(q, q, q, g, beta, cu_seqlens=torch.tensor([0, 3, 7], device=device()), output_final_state=True,
+                      use_qk_l2norm_in_kernel=True)
+    for start, end, i in ((0, 3, 0), (3, 7, 1)):
+        alone, state = modeling.torch_chunk_gated_delta_rule(
+            q[:, start:end], q[:, start:end], q[:, start:end], g[:, start:end], beta[:, start:end],
+            output_final_state=True, use_qk_l2norm_in_kernel=True)
+        torch.testing.assert_close(out[:, start:end], alone)
+        torch.testing.assert_close(final[i:i + 1], state)
