@@ -122,3 +122,62 @@ def test_the_per_sequence_delta_rule_checks_its_boundaries():
             output_final_state=True, use_qk_l2norm_in_kernel=True)
         torch.testing.assert_close(out[:, start:end], alone)
         torch.testing.assert_close(final[i:i + 1], state)
+
+
+# ----------------------------------------------------------------------------------------------
+# The e2e's packed mode: an SFT length mix, packed or padded (q35lab.bench.e2e.packing)
+# ----------------------------------------------------------------------------------------------
+def test_the_length_mix_fills_T_exactly_with_the_cited_mean():
+    from q35lab import e2e
+    from q35lab.bench.e2e import packing
+
+    lengths = e2e.sft_lengths(2_000_000, seed=3)
+    assert sum(lengths) == 2_000_000 and max(lengths) <= packing.SFT_LONGEST
+    assert min(lengths[:-1]) >= packing.SFT_SHORTEST  # only the last one is cut to fill the row
+    body = lengths[:-1]
+    assert sum(body) / len(body) == pytest.approx(packing.SFT_MEAN_TOKENS, rel=0.1)  # 568 tokens (LMSYS-Chat-1M)
+    assert sorted(body)[len(body) // 2] < packing.SFT_MEAN_TOKENS  # log-normal: the median below the mean
+    assert e2e.sft_lengths(100, seed=3) == e2e.sft_lengths(100, seed=3) and sum(e2e.sft_lengths(1)) == 1
+    with pytest.raises(ValueError, match="T: expected"):
+        e2e.sft_lengths(0)
+
+
+def test_packed_and_padded_batches_of_the_same_tokens_give_the_same_loss_and_gradients():
+    from q35lab import e2e
+
+    lengths = [7, 3, 12, 5, 1, 20]  # the 1-token sequence is alone in its micro-batch: it predicts nothing
+    model = _peft_model(seed=4)
+    q35lab.apply_to_qwen3_5(model)
+    packed = e2e.packed_batch(lengths, TEXT["vocab_size"], device(), seed=5)
+    padded = e2e.padded_batches(lengths, TEXT["vocab_size"], device(), seed=5, tokens_per_batch=24)
+    assert len(packed) == 1 and packed[0]["real_tokens"] == sum(lengths) == packed[0]["tokens"]
+    assert len(padded) > 2 and sum(m["weight"] for m in padded) == pytest.approx(1.0)
+    assert all(m["tokens"] <= 24 for m in padded) and sum(m["real_tokens"] for m in padded) == sum(lengths) - 1
+    pieces = list(packed[0]["kwargs"]["input_ids"][0].split(lengths))
+    del pieces[4]  # the lone 1-token micro-batch is left out (it has no loss to add)
+    assert torch.equal(torch.cat([m["kwargs"]["input_ids"][m["kwargs"]["attention_mask"].bool()] for m in padded]),
+                       torch.cat(pieces))  # the same ids, in the same order
+
+    def step(batch):
+        model.zero_grad(set_to_none=True)
+        total = 0.0
+        for micro in batch:
+            loss = model(**micro["kwargs"], use_cache=False).loss * micro["weight"]
+            loss.backward()
+            total = total + loss.detach()
+        return total, _grads(model)
+
+    _assert_same(step(packed), step(padded))
+
+
+def test_a_measured_packed_step_counts_its_real_tokens(tmp_path):
+    from q35lab import e2e
+
+    model = e2e.build("tiny", 2, rank=4, device=device(), dtype=torch.float32)
+    q35lab.apply_to_qwen3_5(model)
+    for kind in ("packed", "padded"):
+        row = e2e.measure(model, 96, steps=1, warmup=0, batch=kind)
+        assert row["batch"] == kind and row["real_tokens"] == 96 and row["padded_tokens"] >= 96
+        assert row["real_tokens_per_s"] > 0 and row["micro_batches"] >= 1
+    with pytest.raises(ValueError, match="batch: expected"):
+        e2e.sft_batch("sorted", 96, 128, device())

@@ -4,6 +4,7 @@
 * ``variants``: what a step trains (``VARIANTS``, ``prepare``), the peers' patches kept apart;
 * ``timer``: device time of regions of a step (``RegionTimer``: the delta-rule core, in_proj);
 * ``step``: a training step and its measurement (``train_step``, ``measure``, ``measure_layer``);
+* ``packing``: batches of an SFT length mix, packed into one row or padded (``sft_batch``);
 * ``memory``: what is alive at a step's peak (``memory_at_peak``, ``peak_breakdown``);
 * ``floor``: what a step's work costs at this GPU's rates (``step_floor``, ``floor_inputs``);
 * ``kernels``: its device time by kernel category and source (``categorize``, ``breakdown``);
@@ -15,11 +16,12 @@ from .cli import _one_variant, _parser, _sizes, main, merge_rows
 from .floor import floor_inputs, step_floor
 from .memory import SOURCES, allocation_source, memory_at_peak, out_of_memory_note, peak_breakdown
 from .model import SIZES, build, config
+from .packing import packed_batch, padded_batches, sft_batch, sft_lengths
 from .step import IN_PROJ_NAMES, measure, measure_layer, tokens, toy_corpus, train_step
 from .timer import CORE_FUNCTIONS, RegionTimer, _Stamp
 from .variants import ALL_FLAGS, VARIANTS, _axolotl_patches, prepare
 
 __all__ = ["ALL_FLAGS", "CATEGORIES", "CORE_FUNCTIONS", "IN_PROJ_NAMES", "SIZES", "SOURCES", "VARIANTS", "RegionTimer",
            "allocation_source", "breakdown", "build", "categorize", "config", "floor_inputs", "main", "measure",
-           "measure_layer", "memory_at_peak", "merge_rows", "out_of_memory_note", "peak_breakdown", "prepare",
-           "profile_step", "step_floor", "tokens", "toy_corpus", "train_step"]
+           "measure_layer", "memory_at_peak", "merge_rows", "out_of_memory_note", "packed_batch", "padded_batches", "peak_breakdown", "prepare",
+           "profile_step", "sft_batch", "sft_lengths", "step_floor", "tokens", "toy_corpus", "train_step"]

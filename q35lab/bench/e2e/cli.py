@@ -65,7 +65,7 @@ def _measured(model, T: int, args) -> dict:
     try:
         if args.what == "layer":
             return dict(what="layer", **measure_layer(model, T, steps=steps, warmup=warmup))
-        row = dict(what="step", **measure(model, T, steps=steps, warmup=warmup, compile=args.compile))
+        row = dict(what="step", **measure(model, T, steps=steps, warmup=warmup, compile=args.compile, batch=args.batch))
         if args.memory_at_peak and T in args.T and torch.cuda.is_available():
             try:  # an extra, optional look: its failure must not cost the measured row
                 row.update(memory_at_peak(model, T))
@@ -113,7 +113,8 @@ def _one_variant(args) -> None:
         report, missing = None, f"not installed: {exc.name or exc}"
     for T in _sizes(args):
         key = {"variant": args.variant + ("+compile" if args.compile else ""), "T": T, "size": args.size,
-               "layers": model.config.get_text_config().num_hidden_layers, "rank": args.rank}
+               "layers": model.config.get_text_config().num_hidden_layers, "rank": args.rank,
+               **({"batch": args.batch} if args.batch else {})}
         row = {**key, "status": "skipped" if missing else "ok", "note": missing,
                "report": " ".join(str(report).split())[:300] if report else ""}
         if not missing:
@@ -160,6 +161,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="with --fit: the longest size tried (default: %(default)s)")
     parser.add_argument("--fit-from", type=int, default=0, help="with --fit: the first longer size tried")
     parser.add_argument("--fit-step", type=float, default=1.25, help="with --fit: the factor between sizes tried")
+    parser.add_argument("--batch", choices=["packed", "padded"], default=None,
+                        help="T tokens of an SFT length mix (LMSYS-Chat-1M's mean, log-normal) packed into one row or "
+                        "padded per micro-batch, instead of one sequence of T tokens; rows get a batch column")
     parser.add_argument("--memory-at-peak", action="store_true",
                         help="at each --T, one more step recorded by the allocator: what is alive at its peak, by source")
     parser.add_argument("--breakdown", action="store_true",
@@ -188,7 +192,7 @@ def main(argv=None) -> int:
                  "--rank", str(args.rank), "--steps", str(args.steps),
                  "--warmup", str(args.warmup), "--fit-max", str(args.fit_max), "--fit-from", str(args.fit_from),
                  "--fit-step", str(args.fit_step), *(["--fit"] if args.fit else []),
-                 *(["--memory-at-peak"] if args.memory_at_peak else []), *(["--breakdown"] if args.breakdown else []),
+                 *(["--memory-at-peak"] if args.memory_at_peak else []), *(["--batch", args.batch] if args.batch else []), *(["--breakdown"] if args.breakdown else []),
                  "--T", *map(str, args.T)]
         if subprocess.run(child).returncode != 0:  # one row per size asked for, so that it replaces theirs
             with open(lines, "a") as f:
@@ -221,8 +225,11 @@ def merge_rows(path: Path, rows: list[dict]):
     if not path.exists() or path.stat().st_size == 0:
         return new
     old = integer_sizes(read_csv(path))
-    # a row is (variant, T) of one model: its size and layers where both frames record them
-    key = [c for c in ("variant", "T", "size", "layers") if c in old.columns and c in new.columns]
+    for frame in (old, new):  # a packed or padded row never replaces a row of one sequence
+        if "batch" not in frame.columns:
+            frame["batch"] = math.nan
+    # a row is (variant, T, batch) of one model: its size and layers where both frames record them
+    key = [c for c in ("variant", "T", "size", "layers", "batch") if c in old.columns and c in new.columns]
     if {"variant", "T"} <= set(key):
         measured = set(new[key].astype(str).itertuples(index=False, name=None))
         old = old[[k not in measured for k in old[key].astype(str).itertuples(index=False, name=None)]]

@@ -9,6 +9,7 @@ import statistics
 
 import torch
 
+from .packing import sft_batch
 from .timer import RegionTimer, _Stamp
 
 
@@ -31,14 +32,22 @@ def tokens(T: int, vocab: int, device, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab, (1, T), generator=generator).to(device)
 
 
-def train_step(model, optimizer, input_ids: torch.Tensor) -> float:
-    """Forward with labels under bf16 autocast, backward, optimizer step; returns the loss."""
-    with torch.autocast(device_type=input_ids.device.type, dtype=torch.bfloat16):
-        loss = model(input_ids=input_ids, labels=input_ids).loss
-    loss.backward()
+def train_step(model, optimizer, batch) -> float:
+    """Forward with labels under bf16 autocast, backward, optimizer step; returns the loss.
+    ``batch``: token ids ``[B, T]`` (their own labels), or micro-batches (``packing.sft_batch``:
+    the model's keyword arguments and a weight each) accumulated into one optimizer step."""
+    if torch.is_tensor(batch):
+        batch = [{"kwargs": {"input_ids": batch, "labels": batch}, "weight": 1.0}]
+    total = 0.0
+    for micro in batch:
+        device = micro["kwargs"]["input_ids"].device
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+            loss = model(**micro["kwargs"]).loss * micro["weight"]
+        loss.backward()
+        total += loss.detach().float()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss.detach().float().item()
+    return float(total)
 
 
 def _training_setup(model, lr: float):
@@ -48,9 +57,13 @@ def _training_setup(model, lr: float):
     return next(model.parameters()).device, model.get_input_embeddings().weight.shape[0], optimizer
 
 
-def measure(model, T: int, steps: int = 3, warmup: int = 1, lr: float = 1e-4, compile: bool = False) -> dict:
+def measure(model, T: int, steps: int = 3, warmup: int = 1, lr: float = 1e-4, compile: bool = False,
+            batch: str | None = None) -> dict:
     """Median step time and core time over ``steps`` steps after ``warmup``; peak memory; losses.
-    ``compile``: the steps run ``torch.compile(model)`` (its compilation falls in the warm-up)."""
+    ``compile``: the steps run ``torch.compile(model)`` (its compilation falls in the warm-up).
+    ``batch``: one sequence of ``T`` random tokens (None), or ``T`` tokens of the SFT length mix
+    "packed" into one row or "padded" per micro-batch (``packing``); their rows count the real
+    (non-pad) tokens a second."""
     device, vocab, optimizer = _training_setup(model, lr)
     step_model = torch.compile(model) if compile else model
     timer = RegionTimer()
@@ -58,7 +71,7 @@ def measure(model, T: int, steps: int = 3, warmup: int = 1, lr: float = 1e-4, co
     on_gpu = device.type == "cuda"
     with timer.functions(model) as n_wrapped:
         for i in range(warmup + steps):
-            ids = tokens(T, vocab, device, seed=i)
+            ids = tokens(T, vocab, device, seed=i) if batch is None else sft_batch(batch, T, vocab, device, seed=i)
             if on_gpu:
                 torch.cuda.synchronize()
                 if i == warmup:
@@ -71,7 +84,12 @@ def measure(model, T: int, steps: int = 3, warmup: int = 1, lr: float = 1e-4, co
                 step_ms.append(start.ms_until(end))
                 core_ms.append(timer.total_ms())
     step, core = statistics.median(step_ms), statistics.median(core_ms)
-    return {
+    shape = {}
+    if batch is not None:  # the last step's batch: every step has T real tokens, only the padding differs
+        real, padded = sum(m["real_tokens"] for m in ids), sum(m["tokens"] for m in ids)
+        shape = {"batch": batch, "micro_batches": len(ids), "real_tokens": real, "padded_tokens": padded,
+                 "real_tokens_per_s": real / step * 1e3}
+    return {**shape,
         "step_ms": step, "core_ms": core, "outside_core_ms": step - core,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else math.nan,
         "loss_first": losses[0], "losses": json.dumps([round(v, 5) for v in losses]), "core_functions": n_wrapped,
