@@ -40,16 +40,16 @@ def _train(model, steps, accumulation=2, lr=2e-2, seq=16, batch=1):
     return losses
 
 
-def test_five_steps_patched_follow_the_unpatched_loss_curve_and_revert_restores():
+def test_three_steps_patched_follow_the_unpatched_loss_curve_and_revert_restores():
     reference = _model()
-    unpatched = _train(reference, 5)
+    unpatched = _train(reference, 3)
     model = _model()
     adapters_before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     report = q35lab.apply_to_qwen3_5(model)
     assert set(report.replaced) >= {"Qwen3_5RMSNorm", "Qwen3_5RMSNormGated", "PEFT lora.Linear (forward)",
                                     "Qwen3_5GatedDeltaNet in_proj (4 projections, 1 node)", "Qwen3_5MLP (SwiGLU)",
                                     "Qwen3_5GatedDeltaNet causal conv1d"}
-    patched = _train(model, 5)
+    patched = _train(model, 3)
     # bf16 autocast on both sides; the kernels round in other places, so allow bf16-sized drift
     assert patched == pytest.approx(unpatched, rel=2e-2)
     trained = dict(model.named_parameters())
