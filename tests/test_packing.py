@@ -181,3 +181,25 @@ def test_a_measured_packed_step_counts_its_real_tokens(tmp_path):
         assert row["real_tokens_per_s"] > 0 and row["micro_batches"] >= 1
     with pytest.raises(ValueError, match="batch: expected"):
         e2e.sft_batch("sorted", 96, 128, device())
+
+
+def test_the_rows_built_here_are_those_of_transformers_packing_collator():
+    from transformers import DataCollatorWithFlattening
+
+    from q35lab import e2e
+
+    sequences = [torch.randint(0, TEXT["vocab_size"], (n,)) for n in (4, 1, 6)]
+    theirs = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": s.tolist()} for s in sequences])
+    ids, labels, kwargs = _packed([s.to(device()) for s in sequences])
+    ours = {"input_ids": ids, "labels": labels, **kwargs}
+    assert set(ours) == set(theirs)
+    for key, value in theirs.items():
+        assert torch.equal(torch.as_tensor(ours[key]).cpu().long(), torch.as_tensor(value).long()), key
+    generator = torch.Generator().manual_seed(5)
+    lengths = [4, 1, 6]
+    same_ids = [torch.randint(0, TEXT["vocab_size"], (n,), generator=generator) for n in lengths]
+    theirs = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": s.tolist()} for s in same_ids])
+    batch = e2e.packed_batch(lengths, TEXT["vocab_size"], "cpu", seed=5)[0]["kwargs"]
+    assert set(batch) == set(theirs)
+    for key, value in theirs.items():
+        assert torch.equal(torch.as_tensor(batch[key]).long(), torch.as_tensor(value).long()), key
