@@ -54,6 +54,7 @@ __all__ = [
     "restore_decoder_layers",
     "MIN_OFFLOAD_BYTES",
     "HOST_CHUNK_BYTES",
+    "HOST_RESERVE_BYTES",
     "host_memory_available",
     "MemoryModel",
     "bytes_per_token",
@@ -385,6 +386,11 @@ def untile_mlps(model: torch.nn.Module) -> int:
 #: passes it from T = 128 tokens on).
 MIN_OFFLOAD_BYTES = 2**20
 
+#: Host memory the checkpoint offload leaves to the process, the data loader and the OS (pinned
+#: memory is never swapped out; a host that runs out ends the process). A 512k-token 9B step that
+#: pinned 112 GiB of a 125 GiB host (about 12 GiB left) died without an error on the H200.
+HOST_RESERVE_BYTES = 16 * 2**30
+
 #: Host copies are made of pinned blocks of at most this size. PyTorch's pinned-memory allocator
 #: rounds every request up to a power of two (``CachingHostAllocator``): one block per [T, H]
 #: tensor would waste up to half the host memory (3 GiB → 4 GiB at T = 384k); blocks of 64 MiB
@@ -447,9 +453,14 @@ class CheckpointOffloader:
     """
 
     def __init__(self, *, min_bytes: int = MIN_OFFLOAD_BYTES, layers: int | None = None, prefetch: bool = True,
-                 pin_memory: bool | None = None, chunk_bytes: int = HOST_CHUNK_BYTES):
+                 pin_memory: bool | None = None, chunk_bytes: int = HOST_CHUNK_BYTES,
+                 host_reserve_bytes: int = HOST_RESERVE_BYTES):
         if isinstance(min_bytes, bool) or not isinstance(min_bytes, numbers.Integral) or min_bytes < 0:
             raise ValueError(f"min_bytes: expected an int ≥ 0, got {min_bytes!r}")
+        if isinstance(host_reserve_bytes, bool) or not isinstance(host_reserve_bytes, numbers.Integral) \
+                or host_reserve_bytes < 0:
+            raise ValueError(f"host_reserve_bytes: expected an int ≥ 0, got {host_reserve_bytes!r}")
+        self.host_reserve_bytes = int(host_reserve_bytes)
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, numbers.Integral) or chunk_bytes < 1:
             raise ValueError(f"chunk_bytes: expected a positive int, got {chunk_bytes!r}")
         self.min_bytes, self.layers, self.prefetch = int(min_bytes), layers, bool(prefetch)
@@ -459,6 +470,8 @@ class CheckpointOffloader:
     def _reset(self) -> None:
         self.stats = Counter()
         self._last = None  # weak reference to the handle packed last in this chain
+        self._chain_bytes = 0  # host bytes this chain has offloaded so far
+        self._most_bytes = 0  # the most any chain held: pinned blocks PyTorch's host allocator keeps for reuse
         self._streams: dict = {}
         self._offloading = True
         self._model = None  # weak reference to the model whose parameters are never offloaded
@@ -471,7 +484,8 @@ class CheckpointOffloader:
         self.new_chain()
 
     def __getstate__(self) -> dict:  # a copy keeps the settings, not the streams or this step's chain
-        return {k: getattr(self, k) for k in ("min_bytes", "layers", "prefetch", "pin_memory", "chunk_bytes")}
+        return {k: getattr(self, k) for k in ("min_bytes", "layers", "prefetch", "pin_memory", "chunk_bytes",
+                                              "host_reserve_bytes")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -484,6 +498,7 @@ class CheckpointOffloader:
     # -- the chain: tensors in the order packed; unpacking one prefetches its predecessor --------
     def new_chain(self) -> None:
         self._last = None
+        self._chain_bytes = 0
         model = self._model() if self._model is not None else None
         if model is not None:
             self._parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -531,6 +546,7 @@ class CheckpointOffloader:
             src = src.contiguous()
         flat = src.view(-1)
         step = max(1, self.chunk_bytes // max(1, src.element_size()))
+        self._claim_host_memory(src.numel() * src.element_size())
         if src.device.type != "cuda":
             chunks = [flat[i:i + step].clone() for i in range(0, flat.numel(), step)]
             return _HostCopy(chunks, src.shape, src.dtype, src.device, None, prev)
@@ -549,6 +565,24 @@ class CheckpointOffloader:
             d2h.record(side)
         src.record_stream(side)  # its memory is not reused before the copy has read it
         return _HostCopy(chunks, src.shape, src.dtype, src.device, d2h, prev)
+
+    def _claim_host_memory(self, nbytes: int) -> None:
+        """Refuse, with an error that says what to do, a copy that would leave the host less than
+        ``host_reserve_bytes`` (pinned memory cannot be swapped: past that the kernel's OOM killer
+        ends the process without a word). Only bytes beyond what an earlier chain held are new:
+        PyTorch's host allocator keeps the blocks it pinned then and hands them out again."""
+        self._chain_bytes += nbytes
+        new = self._chain_bytes - self._most_bytes
+        if new <= 0:
+            return
+        available = host_memory_available()
+        if available is not None and available - new < self.host_reserve_bytes:
+            raise MemoryError(
+                f"q35lab: offloading this checkpoint would leave {max(0, available - new) / GiB:.1f} GiB of host memory "
+                f"(this step holds {self._chain_bytes / GiB:.1f} GiB offloaded; the reserve is "
+                f"{self.host_reserve_bytes / GiB:.0f} GiB): offload fewer decoder layers "
+                "(apply_to_qwen3_5(offload_checkpoints=...), long_context.plan_offload_layers says how many fit)")
+        self._most_bytes = self._chain_bytes
 
     def _fetch(self, h: _HostCopy) -> None:
         """Start bringing ``h`` back (an event to wait on, on CUDA; assembled at once on a CPU)."""
@@ -999,7 +1033,7 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, offload: flo
 
 
 def plan_offload_layers(config, tokens: int, *, gpu_bytes: float = H200_USABLE_BYTES,
-                        host_bytes: float | None = None, host_reserve_bytes: float = 16 * GiB,
+                        host_bytes: float | None = None, host_reserve_bytes: float = HOST_RESERVE_BYTES,
                         **model_settings) -> tuple[int, bool]:
     """The fewest decoder layers to offload for ``tokens`` to fit ``gpu_bytes``, within the host
     memory (``host_bytes``, default ``host_memory_available()``, less ``host_reserve_bytes`` for

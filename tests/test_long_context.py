@@ -343,6 +343,29 @@ def test_offloaded_checkpoint_inputs_live_in_distinct_host_copies_and_give_the_s
     assert not any("forward" in vars(m) for m in model.modules() if type(m).__name__.endswith("DecoderLayer"))
 
 
+def test_an_offload_that_would_leave_the_host_too_little_is_a_clear_error(monkeypatch):
+    ids = torch.randint(0, 128, (1, 9), device=device())
+    layer_bytes = 9 * TEXT["hidden_size"] * 4  # one [1, 9, H] fp32 checkpoint input
+
+    def host(offloader, room):  # what the OS reports: the room less what this step pinned before this copy
+        return lambda: 1000 + room - (offloader._chain_bytes - layer_bytes)
+
+    model = _model()
+    offloader = lc.offload_decoder_layers(model, 1.0, min_bytes=0, host_reserve_bytes=1000)
+    monkeypatch.setattr(lc, "host_memory_available", host(offloader, 2 * layer_bytes))  # room for both layers
+    _step(model, ids)
+    monkeypatch.setattr(lc, "host_memory_available", lambda: 0)
+    _step(model, ids)  # the second step reuses the first one's pinned blocks: nothing new is claimed
+    assert offloader.stats["offloaded"] == 4
+    tight = _model()
+    offloader = lc.offload_decoder_layers(tight, 1.0, min_bytes=0, host_reserve_bytes=1000)
+    monkeypatch.setattr(lc, "host_memory_available", host(offloader, layer_bytes))  # room for one
+    with pytest.raises(MemoryError, match="q35lab: offloading .* offload fewer decoder layers"):
+        _step(tight, ids)
+    with pytest.raises(ValueError, match="host_reserve_bytes"):
+        lc.CheckpointOffloader(host_reserve_bytes=-1)
+
+
 def test_offload_a_fraction_of_layers_or_nothing_below_the_threshold():
     ids = torch.randint(0, 128, (1, 9), device=device())
     expected = _step(_model(), ids)
