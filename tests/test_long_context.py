@@ -16,7 +16,7 @@ from q35lab import long_context as lc
 from q35lab.numerics import assert_close_by_rule
 from q35lab.runtime import device
 
-from tiny_models import TEXT, causal_lm
+from tiny_models import TEXT, assert_same_loss_and_grads, causal_lm
 
 MLP_TARGETS = ["gate_proj", "up_proj", "down_proj"]
 
@@ -51,11 +51,7 @@ def _step(model, ids, autocast=False, backward=True):
 
 
 def _assert_same(a, b, rtol=1e-5, atol=1e-6):
-    (loss_a, grads_a), (loss_b, grads_b) = a, b
-    torch.testing.assert_close(loss_a, loss_b, rtol=rtol, atol=atol)
-    assert grads_a.keys() == grads_b.keys() and grads_a
-    for name in grads_a:
-        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=rtol, atol=atol, msg=name)
+    assert_same_loss_and_grads(a, b, rtol=rtol, atol=atol)
 
 
 def _count_mlp_calls(model):

@@ -11,7 +11,7 @@ import torch
 import q35lab
 from q35lab.runtime import device
 
-from tiny_models import TEXT, causal_lm
+from tiny_models import TEXT, assert_same_loss_and_grads, causal_lm
 
 
 def _peft_model(seed):
@@ -65,11 +65,7 @@ def _one_at_a_time(model, sequences):
 
 
 def _assert_same(a, b, rtol=1e-4, atol=1e-5):
-    (loss_a, grads_a), (loss_b, grads_b) = a, b
-    torch.testing.assert_close(loss_a, loss_b, rtol=rtol, atol=atol)
-    assert grads_a.keys() == grads_b.keys() and grads_a
-    for name in grads_a:
-        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=rtol, atol=atol, msg=name)
+    assert_same_loss_and_grads(a, b, rtol=rtol, atol=atol)
 
 
 # Lengths around the conv window (4 taps): a sequence shorter than it, one of one token, and

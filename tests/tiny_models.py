@@ -51,6 +51,15 @@ def loss_and_grads(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tens
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def assert_same_loss_and_grads(a, b, rtol=1e-5, atol=1e-6):
+    """Two (loss, {name: grad}) results: the same loss, the same parameters with a gradient, the same gradients."""
+    (loss_a, grads_a), (loss_b, grads_b) = a, b
+    torch.testing.assert_close(loss_a, loss_b, rtol=rtol, atol=atol)
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=rtol, atol=atol, msg=name)
+
+
 def count_forward_calls(monkeypatch, function_class) -> list:
     """Make ``function_class.forward`` (an autograd Function) record each call in the returned list."""
     calls = []
