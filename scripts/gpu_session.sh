@@ -1,36 +1,50 @@
 #!/usr/bin/env bash
-# This session's device calls, one stage a call (each under 10 minutes); every step packs what it
-# has into $OUT/results.tgz (scripts/gpu_run.sh), so a call cut short still returns its results.
+# One device call a stage (each under 10 minutes); every step packs what it has into
+# $OUT/results.tgz (scripts/gpu_run.sh), so a call cut short still returns its results.
+# Carry .whl with the slim Triton, fla, liger, cut-cross-entropy, and for `peers` axolotl 0.21, its
+# slimmed bitsandbytes and addict (axolotl.utils.dict imports it); the notebook wheels (nbmake,
+# ipykernel and theirs) only for `notebooks`: everything together is over the 64 MiB a call carries.
 #
-#   bash scripts/gpu_session.sh ops       # GPU tests of the ops and the patched module, the conv and
-#                                         # SwiGLU sweeps, the compiled patched step (4 layers), and
-#                                         # q35lab's 9B step at 32k with its breakdown and floor
-#   bash scripts/gpu_session.sh peers     # the peers' 9B steps at 32k, and the long-context options' cost
-#   bash scripts/gpu_session.sh long T... # q35lab with the long-context options at T tokens (9B), the
-#                                         # next T only when the last did not fit
+#   bash scripts/gpu_session.sh tests      # every test file compiled on the GPU
+#   bash scripts/gpu_session.sh ops        # check and sweep the conv, SwiGLU and the delta-rule core
+#   bash scripts/gpu_session.sh step       # q35lab's 9B step at 32k with its breakdown and floor, 27B at 16k
+#   bash scripts/gpu_session.sh peers      # PEFT + Liger, axolotl's recipe, PEFT at 9B/32k; Liger at 27B/16k
+#   bash scripts/gpu_session.sh packed     # the SFT length mix at 32k, packed and padded
+#   bash scripts/gpu_session.sh long T...  # each long-context option alone at 32k, then q35lab+long at each T
+#                                          # until one fits
+#   bash scripts/gpu_session.sh notebooks  # every notebook executed (outputs kept)
+#
+# The first step that trains a model at a new shape spends ~60 s in fla's autotuning (cached for
+# the later processes of the same machine: TRITON_CACHE_AUTOTUNING=1): give it that much more.
 set -uo pipefail
-stage=${1:?usage: gpu_session.sh ops|peers|long T...}; shift
+stage=${1:?usage: gpu_session.sh tests|ops|step|peers|packed|long T...|notebooks}; shift
 csv=data/bench/nvidia-h200/end_to_end.csv
 e2e() {  # e2e SECONDS VARIANTS T ARGS...
   local limit=$1 variants=$2 T=$3; shift 3
   STEPS=e2e E2E_VARIANTS="$variants" E2E_T="$T" E2E_ARGS="$*" TIMEOUT_e2e=$limit bash scripts/gpu_run.sh
 }
 case $stage in
-  ops)
-    STEPS=tests TIMEOUT_tests=120 TESTS="tests/test_causal_conv1d.py tests/test_swiglu.py tests/test_module_behaviour.py
-        tests/test_long_context.py tests/test_patch.py" bash scripts/gpu_run.sh
-    STEPS=check,bench OPS="causal_conv1d swiglu" BENCH_T="32768 131072" STEP_TIMEOUT=45 bash scripts/gpu_run.sh
-    e2e 75 q35lab 32768 --size h200 --steps 3
-    e2e 130 q35lab 32768 --size h200 --steps 3 --compile
-    e2e 170 q35lab 32768 --size 9b --steps 2 --breakdown
+  tests) STEPS=tests TIMEOUT_tests=560 bash scripts/gpu_run.sh ;;
+  ops) STEPS=check,bench OPS="causal_conv1d swiglu delta_rule" BENCH_T="32768 131072" STEP_TIMEOUT=270 \
+           bash scripts/gpu_run.sh ;;
+  step)
+    e2e 260 q35lab 32768 --size 9b --steps 2 --breakdown
+    e2e 250 q35lab 16384 --size 27b --steps 2
     ;;
   peers)
     e2e 130 peft+liger 32768 --size 9b --steps 2
     e2e 140 peft+liger+axolotl 32768 --size 9b --steps 2
     e2e 140 peft 32768 --size 9b --steps 2
-    e2e 130 q35lab+long 32768 --size 9b --steps 2
+    e2e 150 peft+liger 16384 --size 27b --steps 2
+    ;;
+  packed)
+    for v in q35lab peft+liger; do
+      for batch in packed padded; do e2e 140 $v 32768 --size 9b --steps 2 --batch $batch; done
+    done
     ;;
   long)
+    e2e 130 q35lab+tiled 32768 --size 9b --steps 2
+    e2e 130 q35lab+offload 32768 --size 9b --steps 2
     for T in "$@"; do
       e2e 330 q35lab+long "$T" --size 9b --steps 1 --warmup 0
       python3 - "$csv" "$T" <<'EOF' && break  # stop at the first that fits
@@ -41,10 +55,11 @@ sys.exit(0 if len(row) and row.status.iloc[-1] == "ok" else 1)
 EOF
     done
     ;;
+  notebooks) STEPS=notebooks TIMEOUT_notebooks=280 bash scripts/gpu_run.sh ;;
 esac
 python3 - "$csv" <<'EOF'
 import sys, pandas as pd
 rows = pd.read_csv(sys.argv[1])
-cols = [c for c in ("variant", "size", "T", "status", "step_ms", "peak_gib", "floor_ms", "device_ms", "loss") if c in rows]
+cols = [c for c in ("variant", "size", "T", "batch", "status", "step_ms", "peak_gib", "floor_ms", "loss_first") if c in rows]
 print(rows[cols].tail(12).to_string(index=False))
 EOF
