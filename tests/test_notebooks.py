@@ -1,0 +1,36 @@
+"""The notebooks' install cell (scripts/colab_cell.py): one cell, in every notebook, that fails loudly."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("colab_cell", ROOT / "scripts" / "colab_cell.py")
+colab_cell = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(colab_cell)
+
+
+def test_every_notebook_starts_with_the_install_cell_skipped_when_tested():
+    assert colab_cell.main(["--check"]) == 0
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cell = colab_cell.first_code_cell(json.loads(path.read_text()))
+        assert "skip-execution" in cell["metadata"]["tags"], path.name
+        compile("".join(cell["source"]), path.name, "exec")  # valid Python (no IPython magics)
+
+
+def test_the_install_cell_stops_with_a_message_until_the_repository_is_named(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match="Set REPO_URL"):
+        exec(colab_cell.cell_source("01_offset_rmsnorm.ipynb"), {})
+    assert not any(tmp_path.iterdir())  # nothing cloned, nothing installed
+
+
+def test_a_failed_clone_is_an_error_naming_the_address(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    source = colab_cell.cell_source("06_qwen3_5_end_to_end.ipynb").replace(
+        'REPO_URL = ""', f'REPO_URL = "{tmp_path / "no-such-repository"}"')
+    with pytest.raises(SystemExit, match="git clone .*no-such-repository failed"):
+        exec(source, {})
+    assert "NEEDS_GIB = 48" in source
