@@ -780,7 +780,9 @@ def _packing(gdn: torch.nn.Module) -> str:
     core_ok = fla or type(gdn).__module__ in _DELTA_RULE_SWITCHES and _marked(gdn, _CONV) is not None
     if conv_ok and core_ok:
         core = "fla's delta rule" if fla else "transformers' PyTorch delta rule, run by q35lab once per sequence"
-        return f"sequences kept apart (cu_seq_lens_q): the conv honours them, and {core}"
+        return (f"sequences kept apart when their boundaries come as cu_seq_lens_q (DataCollatorWithFlattening("
+                f"return_flash_attn_kwargs=True); position_ids alone do not reach the GatedDeltaNet): the conv "
+                f"honours them, and {core}")
     missing = [what for what, ok in (("the PyTorch causal conv1d", conv_ok), ("the PyTorch delta rule", core_ok))
                if not ok]
     return (f"{' and '.join(missing)} ignore cu_seq_lens_q: sequences packed in one row leak into each other; "

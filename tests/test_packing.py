@@ -77,7 +77,7 @@ LENGTHS = [[5, 9, 3], [1, 6, 2, 7]]
 def test_a_packed_row_gives_the_loss_and_gradients_of_its_sequences_run_alone(lengths):
     model = _peft_model(seed=0)
     report = q35lab.apply_to_qwen3_5(model)
-    assert "sequence" in report.runs["packed batches"]
+    assert "sequence" in report.runs["packed batches"] and "position_ids alone" in report.runs["packed batches"]
     sequences = [torch.randint(0, TEXT["vocab_size"], (n,), device=device()) for n in lengths]
     _assert_same(_packed_step(model, sequences), _one_at_a_time(model, sequences))
 
