@@ -116,7 +116,7 @@ def _one_variant(args) -> None:
                "layers": model.config.get_text_config().num_hidden_layers, "rank": args.rank,
                **({"batch": args.batch} if args.batch else {})}
         row = {**key, "status": "skipped" if missing else "ok", "note": missing,
-               "report": " ".join(str(report).split())[:300] if report else ""}
+               "report": " ".join(str(report).split())[:2000] if report else ""}
         if not missing:
             row.update(_measured(model, T, args))
         if args.breakdown and args.what == "step" and T in args.T and row["status"] == "ok":
