@@ -461,7 +461,7 @@ class _PerSequenceDeltaRule:
         self.original = original
 
     def __call__(self, query, key, value, g, beta, *args, cu_seqlens=None, initial_state=None, **kwargs):
-        if cu_seqlens is None or importlib.util.find_spec("fla") is not None:
+        if cu_seqlens is None or _installed("fla"):
             return self.original(query, key, value, g, beta, *args, cu_seqlens=cu_seqlens, initial_state=initial_state,
                                  **kwargs)
         if query.shape[0] != 1:
@@ -515,7 +515,7 @@ def _conv_problem(gdn: torch.nn.Module) -> str | None:
     if style is None:
         return "no causal_conv1d_fn in this transformers version"
     if (vars(gdn).get("causal_conv1d_fn") is not None if style == "attribute"
-            else importlib.util.find_spec("causal_conv1d") is not None):
+            else _installed("causal_conv1d")):
         return "the causal-conv1d CUDA package runs it"
     return None
 
@@ -743,6 +743,13 @@ def _computed_by_a_fused_mlp(child: torch.nn.Module, parent: torch.nn.Module) ->
     return isinstance(_marked(parent, _MLP), _ProjectionGroup) and child in (parent.gate_proj, parent.up_proj)
 
 
+@functools.cache
+def _installed(package: str) -> bool:
+    """Whether ``package`` can be imported: asked once a process (the delta-rule switch asks at every
+    call, and a lookup walks sys.path)."""
+    return importlib.util.find_spec(package) is not None
+
+
 def _triton_at_least(version: tuple[int, ...]) -> bool:
     import triton
 
@@ -754,7 +761,7 @@ def _delta_rule_core(gdn: torch.nn.Module) -> str:
     """Which delta-rule core this GatedDeltaNet will run, and what to install when it is slow."""
     attribute = vars(gdn).get("chunk_gated_delta_rule")  # transformers < 5.20 keeps it on the layer
     fla = (attribute.__module__.startswith("fla") if callable(attribute)
-           else importlib.util.find_spec("fla") is not None)
+           else _installed("fla"))
     if not fla:
         return ("transformers' PyTorch fallback, far slower than fla's (`python -m q35lab bench delta_rule` "
                 "measures both): pip install flash-linear-attention (on Hopper with Triton >= 3.7.1)")
@@ -775,7 +782,7 @@ def _causal_conv(gdn: torch.nn.Module) -> str:
 
 def _packing(gdn: torch.nn.Module) -> str:
     """Whether sequences packed in one row (cu_seq_lens_q) stay apart in this GatedDeltaNet."""
-    fla = importlib.util.find_spec("fla") is not None
+    fla = _installed("fla")
     conv_ok = _marked(gdn, _CONV) is not None or _conv_problem(gdn) == "the causal-conv1d CUDA package runs it"
     core_ok = fla or type(gdn).__module__ in _DELTA_RULE_SWITCHES and _marked(gdn, _CONV) is not None
     if conv_ok and core_ok:

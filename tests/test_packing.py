@@ -26,15 +26,10 @@ def _peft_model(seed):
 
 def _packed(sequences):
     """One row, as DataCollatorWithFlattening(return_flash_attn_kwargs=True) builds it."""
-    lengths = [len(s) for s in sequences]
-    ids = torch.cat(sequences)[None]
-    labels = ids.clone()
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device())
-    labels[0, cu[:-1].long()] = -100  # a sequence's first token is not predicted from the one before it
-    positions = torch.cat([torch.arange(n, device=device()) for n in lengths])[None]
-    kwargs = dict(position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                  max_length_q=max(lengths), max_length_k=max(lengths))
-    return ids, labels, kwargs
+    from q35lab import e2e
+
+    kwargs = e2e.pack_sequences(sequences)
+    return kwargs.pop("input_ids"), kwargs.pop("labels"), kwargs
 
 
 def _grads(model):

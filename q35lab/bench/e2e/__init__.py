@@ -16,12 +16,12 @@ from .cli import _one_variant, _parser, _sizes, main, merge_rows
 from .floor import floor_inputs, step_floor
 from .memory import SOURCES, allocation_source, memory_at_peak, out_of_memory_note, peak_breakdown
 from .model import SIZES, build, config
-from .packing import packed_batch, padded_batches, sft_batch, sft_lengths
+from .packing import pack_sequences, packed_batch, padded_batches, sft_batch, sft_lengths
 from .step import IN_PROJ_NAMES, measure, measure_layer, tokens, toy_corpus, train_step
 from .timer import CORE_FUNCTIONS, RegionTimer, _Stamp
 from .variants import ALL_FLAGS, VARIANTS, _axolotl_patches, prepare
 
 __all__ = ["ALL_FLAGS", "CATEGORIES", "CORE_FUNCTIONS", "IN_PROJ_NAMES", "SIZES", "SOURCES", "VARIANTS", "RegionTimer",
            "allocation_source", "breakdown", "build", "categorize", "config", "floor_inputs", "main", "measure",
-           "measure_layer", "memory_at_peak", "merge_rows", "out_of_memory_note", "packed_batch", "padded_batches", "peak_breakdown", "prepare",
+           "measure_layer", "memory_at_peak", "merge_rows", "out_of_memory_note", "pack_sequences", "packed_batch", "padded_batches", "peak_breakdown", "prepare",
            "profile_step", "sft_batch", "sft_lengths", "step_floor", "tokens", "toy_corpus", "train_step"]

@@ -59,18 +59,24 @@ def _predicted(lengths) -> int:
     return sum(n - 1 for n in lengths)
 
 
-def packed_batch(lengths: list[int], vocab: int, device, seed: int = 0) -> list[dict]:
-    """One micro-batch: the sequences in one row, with their boundaries (see the module's text)."""
-    sequences = _sequences(lengths, vocab, seed)
+def pack_sequences(sequences: list[torch.Tensor]) -> dict:
+    """The model's keyword arguments for 1-D token sequences in one row (see the module's text),
+    on the sequences' device."""
+    lengths = [len(s) for s in sequences]
     ids = torch.cat(sequences)[None]
+    device = ids.device
     labels = ids.clone()
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     labels[0, cu[:-1].long()] = -100
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    batch = dict(input_ids=ids, labels=labels, position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                 max_length_q=max(lengths), max_length_k=max(lengths))
-    return [{"kwargs": {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}, "weight": 1.0,
-             "real_tokens": sum(lengths), "tokens": sum(lengths)}]
+    positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
+    return dict(input_ids=ids, labels=labels, position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                max_length_q=max(lengths), max_length_k=max(lengths))
+
+
+def packed_batch(lengths: list[int], vocab: int, device, seed: int = 0) -> list[dict]:
+    """One micro-batch: the sequences in one row, with their boundaries (``pack_sequences``)."""
+    sequences = [s.to(device) for s in _sequences(lengths, vocab, seed)]
+    return [{"kwargs": pack_sequences(sequences), "weight": 1.0, "real_tokens": sum(lengths), "tokens": sum(lengths)}]
 
 
 def padded_batches(lengths: list[int], vocab: int, device, seed: int = 0, tokens_per_batch: int | None = None) -> list[dict]:
