@@ -423,6 +423,12 @@ class _HostCopy:
         return sum(c.numel() * c.element_size() for c in self.chunks)
 
 
+def _byte_count(name: str, value: object, expected: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+    return int(value)
+
+
 class CheckpointOffloader:
     """Saved-tensor hooks that keep large saved tensors in host memory between forward and backward.
 
@@ -455,16 +461,10 @@ class CheckpointOffloader:
     def __init__(self, *, min_bytes: int = MIN_OFFLOAD_BYTES, layers: int | None = None, prefetch: bool = True,
                  pin_memory: bool | None = None, chunk_bytes: int = HOST_CHUNK_BYTES,
                  host_reserve_bytes: int = HOST_RESERVE_BYTES):
-        if isinstance(min_bytes, bool) or not isinstance(min_bytes, numbers.Integral) or min_bytes < 0:
-            raise ValueError(f"min_bytes: expected an int ≥ 0, got {min_bytes!r}")
-        if isinstance(host_reserve_bytes, bool) or not isinstance(host_reserve_bytes, numbers.Integral) \
-                or host_reserve_bytes < 0:
-            raise ValueError(f"host_reserve_bytes: expected an int ≥ 0, got {host_reserve_bytes!r}")
-        self.host_reserve_bytes = int(host_reserve_bytes)
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, numbers.Integral) or chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes: expected a positive int, got {chunk_bytes!r}")
-        self.min_bytes, self.layers, self.prefetch = int(min_bytes), layers, bool(prefetch)
-        self.pin_memory, self.chunk_bytes = pin_memory, int(chunk_bytes)
+        self.min_bytes = _byte_count("min_bytes", min_bytes, "an int ≥ 0")
+        self.host_reserve_bytes = _byte_count("host_reserve_bytes", host_reserve_bytes, "an int ≥ 0")
+        self.chunk_bytes = _byte_count("chunk_bytes", chunk_bytes, "a positive int", minimum=1)
+        self.layers, self.prefetch, self.pin_memory = layers, bool(prefetch), pin_memory
         self._reset()
 
     def _reset(self) -> None:
