@@ -50,7 +50,8 @@ step() {  # step NAME COMMAND...: run with a time limit (TIMEOUT_<name> or STEP_
       -C "$LOGS/.." "$(basename "$LOGS")")
 }
 
-[[ $STEPS == *tests* ]] && step tests python3 -m pytest -q --maxfail=3 -p no:cacheprovider -o addopts="" ${TESTS:-tests}
+[[ $STEPS == *tests* ]] && step tests python3 scripts/gpu_tests.py --out data/bench/$gpu/gpu_tests.csv \
+    --limit ${TIMEOUT_testfile:-300} ${TESTS:-}
 for op in $OPS; do
   if [[ $STEPS == *tune* && -f scripts/tune_$op.py ]]; then
     step tune_$op python3 scripts/tune_$op.py --out data/bench/$gpu/${op}_tuning.csv

@@ -5,37 +5,43 @@
 # slimmed bitsandbytes and addict (axolotl.utils.dict imports it); the notebook wheels (nbmake,
 # ipykernel and theirs) only for `notebooks`: everything together is over the 64 MiB a call carries.
 #
-#   bash scripts/gpu_session.sh tests      # every test file compiled on the GPU
+#   bash scripts/gpu_session.sh tests      # every test file compiled on the GPU, 8 files at a time
+#   bash scripts/gpu_session.sh STAGE STAGE...  # several stages in one call, in order
 #   bash scripts/gpu_session.sh ops        # check and sweep the conv, SwiGLU and the delta-rule core
-#   bash scripts/gpu_session.sh step       # q35lab's 9B step at 32k with its breakdown and floor, 27B at 16k
-#   bash scripts/gpu_session.sh peers      # PEFT + Liger, axolotl's recipe, PEFT at 9B/32k; Liger at 27B/16k
+#   bash scripts/gpu_session.sh step       # q35lab's 9B step at 32k with its breakdown and floor
+#   bash scripts/gpu_session.sh peers      # PEFT + Liger, axolotl's recipe, PEFT at 9B/32k
+#   bash scripts/gpu_session.sh ablation   # q35lab with one optimization at a time, 9B/32k
+#   bash scripts/gpu_session.sh big        # q35lab and PEFT + Liger at 27B/16k and 35B-A3B/8k
 #   bash scripts/gpu_session.sh packed     # the SFT length mix at 32k, packed and padded
-#   bash scripts/gpu_session.sh long T...  # each long-context option alone at 32k, then q35lab+long at each T
-#                                          # until one fits
+#   LONG_T="T..." bash scripts/gpu_session.sh long  # each long-context option alone at 32k, then
+#                                          # q35lab+long at each T until one fits
 #   bash scripts/gpu_session.sh notebooks  # every notebook executed (outputs kept)
 #
 # The first step that trains a model at a new shape spends ~60 s in fla's autotuning (cached for
 # the later processes of the same machine: TRITON_CACHE_AUTOTUNING=1): give it that much more.
 set -uo pipefail
-stage=${1:?usage: gpu_session.sh tests|ops|step|peers|packed|long T...|notebooks}; shift
+[[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|step|peers|ablation|packed|long|notebooks ..."; exit 2; }
 csv=data/bench/nvidia-h200/end_to_end.csv
 e2e() {  # e2e SECONDS VARIANTS T ARGS...
   local limit=$1 variants=$2 T=$3; shift 3
   STEPS=e2e E2E_VARIANTS="$variants" E2E_T="$T" E2E_ARGS="$*" TIMEOUT_e2e=$limit bash scripts/gpu_run.sh
 }
+for stage in "$@"; do
 case $stage in
-  tests) STEPS=tests TIMEOUT_tests=560 bash scripts/gpu_run.sh ;;
+  tests) STEPS=tests TIMEOUT_tests=${TIMEOUT_tests:-330} bash scripts/gpu_run.sh ;;
   ops) STEPS=check,bench OPS="causal_conv1d swiglu delta_rule" BENCH_T="32768 131072" STEP_TIMEOUT=270 \
            bash scripts/gpu_run.sh ;;
-  step)
-    e2e 260 q35lab 32768 --size 9b --steps 2 --breakdown
-    e2e 250 q35lab 16384 --size 27b --steps 2
-    ;;
+  step) e2e 260 q35lab 32768 --size 9b --steps 2 --breakdown ;;
   peers)
     e2e 130 peft+liger 32768 --size 9b --steps 2
     e2e 140 peft+liger+axolotl 32768 --size 9b --steps 2
     e2e 140 peft 32768 --size 9b --steps 2
-    e2e 150 peft+liger 16384 --size 27b --steps 2
+    ;;
+  ablation) e2e 330 "q35lab:rms_norm q35lab:gated_norm q35lab:lora q35lab:in_proj q35lab:flce q35lab:conv q35lab:swiglu" \
+                 32768 --size 9b --steps 2 ;;
+  big)
+    e2e 200 "q35lab peft+liger" 16384 --size 27b --steps 2
+    e2e 200 "q35lab peft+liger" 8192 --size 35b-a3b --steps 2
     ;;
   packed)
     for v in q35lab peft+liger; do
@@ -43,9 +49,9 @@ case $stage in
     done
     ;;
   long)
-    e2e 130 q35lab+tiled 32768 --size 9b --steps 2
-    e2e 130 q35lab+offload 32768 --size 9b --steps 2
-    for T in "$@"; do
+    e2e 150 q35lab+tiled 32768 --size 9b --steps 2 --breakdown
+    e2e 150 q35lab+offload 32768 --size 9b --steps 2 --breakdown
+    for T in ${LONG_T:-}; do
       e2e 330 q35lab+long "$T" --size 9b --steps 1 --warmup 0
       python3 - "$csv" "$T" <<'EOF' && break  # stop at the first that fits
 import sys, pandas as pd
@@ -56,7 +62,9 @@ EOF
     done
     ;;
   notebooks) STEPS=notebooks TIMEOUT_notebooks=280 bash scripts/gpu_run.sh ;;
+  *) echo "unknown stage $stage"; exit 2 ;;
 esac
+done
 python3 - "$csv" <<'EOF'
 import sys, pandas as pd
 rows = pd.read_csv(sys.argv[1])

@@ -1,0 +1,83 @@
+"""Every test file on the GPU, several at once, each in its own pytest process with a time limit.
+
+Compiling the kernels for a file's shapes is CPU work (one core a process), so files run side by
+side: 16 cores compile 8 files at once while the GPU is mostly idle. A file that runs past its
+limit is reported as such with the tests it finished (pytest's -v lines), not as a hang of the
+whole call. Writes one row per file to the CSV (file, passed, failed, errors, skipped, seconds,
+status, the slowest tests) and prints the table.
+
+    python3 scripts/gpu_tests.py --out data/bench/nvidia-h200/gpu_tests.csv [--jobs 8] [--limit 300]
+"""
+
+import argparse
+import concurrent.futures
+import datetime
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+
+OUTCOME = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|deselected)")
+
+
+def run_file(path: Path, limit: float, logs: Path) -> dict:
+    start = time.perf_counter()
+    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-o", "addopts=", "--durations=3", str(path)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
+        text, status = proc.stdout + proc.stderr, "ok" if proc.returncode == 0 else f"rc {proc.returncode}"
+    except subprocess.TimeoutExpired as exc:
+        text = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        status = f"timeout after {limit:.0f} s"
+    (logs / f"{path.stem}.log").write_text(text)
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    summary = [line for line in text.splitlines() if line.startswith("=") and (" in " in line)]
+    if summary:
+        for n, what in OUTCOME.findall(summary[-1]):
+            key = "errors" if what.startswith("error") else what
+            if key in counts:
+                counts[key] = int(n)
+    else:  # cut short: count the -v lines it printed
+        counts["passed"] = sum(" PASSED" in line for line in text.splitlines())
+        counts["failed"] = sum(" FAILED" in line for line in text.splitlines())
+    slowest = [line.strip() for line in text.splitlines() if re.match(r"^\d+\.\d+s (call|setup)", line.strip())]
+    failures = [line for line in text.splitlines() if line.startswith("FAILED") or line.startswith("ERROR")]
+    return {"file": path.name, **counts, "seconds": round(time.perf_counter() - start, 1), "status": status,
+            "slowest": " | ".join(slowest[:3]), "failures": " | ".join(failures)[:2000]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--jobs", type=int, default=8)
+    parser.add_argument("--limit", type=float, default=300.0, help="seconds a file may take")
+    parser.add_argument("--logs", default="/tmp/q35lab-logs/tests")
+    parser.add_argument("files", nargs="*")
+    args = parser.parse_args()
+    logs = Path(args.logs)
+    logs.mkdir(parents=True, exist_ok=True)
+    files = [Path(f) for f in args.files] or sorted(Path("tests").glob("test_*.py"))
+    import torch
+    import triton
+
+    meta = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
+            "triton": triton.__version__, "date": datetime.date.today().isoformat()}
+    try:
+        meta["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True).stdout.strip()
+    except OSError:
+        meta["commit"] = ""
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        rows = list(pool.map(lambda f: run_file(f, args.limit, logs), files))
+    table = pd.DataFrame([{**row, **meta} for row in rows])
+    table.to_csv(args.out, index=False)
+    print(table[["file", "passed", "failed", "errors", "skipped", "seconds", "status"]].to_string(index=False))
+    print("total: passed", table.passed.sum(), "failed", table.failed.sum(), "errors", table.errors.sum())
+    return 0 if (table.status == "ok").all() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
