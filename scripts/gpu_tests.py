@@ -33,6 +33,12 @@ def run_file(path: Path, limit: float, logs: Path) -> dict:
         text = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         status = f"timeout after {limit:.0f} s"
     (logs / f"{path.stem}.log").write_text(text)
+    return {"file": path.name, **summarize(text), "seconds": round(time.perf_counter() - start, 1), "status": status}
+
+
+def summarize(text: str) -> dict:
+    """Counts of a pytest -v log (its summary line, or the -v lines of a run cut short), its
+    slowest tests and its failures."""
     counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
     summary = [line for line in text.splitlines() if line.startswith("=") and (" in " in line)]
     if summary:
@@ -45,8 +51,7 @@ def run_file(path: Path, limit: float, logs: Path) -> dict:
         counts["failed"] = sum(" FAILED" in line for line in text.splitlines())
     slowest = [line.strip() for line in text.splitlines() if re.match(r"^\d+\.\d+s (call|setup)", line.strip())]
     failures = [line for line in text.splitlines() if line.startswith("FAILED") or line.startswith("ERROR")]
-    return {"file": path.name, **counts, "seconds": round(time.perf_counter() - start, 1), "status": status,
-            "slowest": " | ".join(slowest[:3]), "failures": " | ".join(failures)[:2000]}
+    return {**counts, "slowest": " | ".join(slowest[:3]), "failures": " | ".join(failures)[:2000]}
 
 
 def main() -> int:
@@ -70,10 +75,12 @@ def main() -> int:
                                         text=True).stdout.strip()
     except OSError:
         meta["commit"] = ""
-    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        rows = list(pool.map(lambda f: run_file(f, args.limit, logs), files))
-    table = pd.DataFrame([{**row, **meta} for row in rows])
-    table.to_csv(args.out, index=False)
+    rows = []
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:  # the CSV rewritten as each file ends
+        for done in concurrent.futures.as_completed([pool.submit(run_file, f, args.limit, logs) for f in files]):
+            rows.append({**done.result(), **meta})
+            pd.DataFrame(rows).sort_values("file").to_csv(args.out, index=False)
+    table = pd.DataFrame(rows).sort_values("file")
     print(table[["file", "passed", "failed", "errors", "skipped", "seconds", "status"]].to_string(index=False))
     print("total: passed", table.passed.sum(), "failed", table.failed.sum(), "errors", table.errors.sum())
     return 0 if (table.status == "ok").all() else 1
