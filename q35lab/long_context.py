@@ -644,37 +644,48 @@ def offloaded_checkpoints(model: torch.nn.Module | None = None, *, offloader: Ch
         yield offloader
 
 
-class _OffloadedLayerForward:
-    """A decoder layer's instance-level forward: the layer's own (checkpointing) forward under the
-    offloader's hooks, offloading its checkpoint input if it is among the first ``count`` layers.
-    An object holding its module, as q35lab's other forwards (deepcopy, pickle)."""
+class _OffloadedCheckpoint:
+    """A decoder layer's gradient-checkpoint function (``layer._gradient_checkpointing_func``) run
+    under the offloader's hooks, offloading if the layer is among the first ``count``.
 
-    __name__ = "forward"
+    The checkpoint function is the one entry every transformers version goes through: 5.2x calls
+    it from the class's ``forward``, earlier 5.x from ``GradientCheckpointingLayer.__call__``,
+    *around* the module call — a wrapped instance ``forward`` would run inside the checkpoint
+    there, its hooks innermost, and offload every tensor the layer saves (and break the
+    recompute, which then saves none). Here the hooks surround the checkpoint call, so the only
+    tensor they pack is the checkpoint's input; inside, ``torch.utils.checkpoint``'s own hooks
+    are innermost. An object, not a closure: it deep-copies and pickles with its model."""
 
-    def __init__(self, module: torch.nn.Module, offloader: CheckpointOffloader, index: int, inner=None):
-        self.module, self.offloader, self.index, self.inner = module, offloader, index, inner
-
-    @property
-    def __wrapped__(self):
-        return type(self.module).forward.__get__(self.module)
+    def __init__(self, offloader: CheckpointOffloader, index: int, inner):
+        self.offloader, self.index, self.inner = offloader, index, inner
 
     def __repr__(self) -> str:
-        return f"<q35lab offloaded-checkpoint forward of {type(self.module).__name__} {self.index}>"
+        return f"<q35lab offloaded checkpoint of decoder layer {self.index}>"
 
-    def _forward(self, *args, **kwargs):
-        if self.inner is not None:
-            return self.inner(*args, **kwargs)
-        return type(self.module).forward(self.module, *args, **kwargs)
-
-    def __call__(self, *args, **kwargs):
-        layer = self.module
-        if not (getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled()):
-            return self._forward(*args, **kwargs)  # nothing is checkpointed: nothing to offload
-        if self.index == 0:
-            self.offloader.new_chain()
+    def __call__(self, function, *args, **kwargs):
         count = self.offloader.layers
         with self.offloader.hooks(offload=count is None or self.index < count):
-            return self._forward(*args, **kwargs)
+            return self.inner(function, *args, **kwargs)
+
+
+class _OffloadGuard:
+    """Forward pre-hook of the module that runs the decoder layers (``model.model`` for the text
+    model): each forward starts a new offload chain, and any layer whose checkpoint function is
+    not wrapped (gradient checkpointing enabled or re-enabled after ``offload_decoder_layers``;
+    ``gradient_checkpointing_enable`` sets a fresh one on every layer) is wrapped again, before
+    the first layer runs."""
+
+    def __init__(self, offloader: CheckpointOffloader):
+        self.offloader = offloader
+
+    def __call__(self, stack: torch.nn.Module, args):
+        self.offloader.new_chain()
+        for index, layer in enumerate(_stack_layers(stack)):
+            current = vars(layer).get("_gradient_checkpointing_func")
+            if isinstance(current, _OffloadedCheckpoint):
+                current.offloader, current.index = self.offloader, index
+            elif current is not None:
+                layer._gradient_checkpointing_func = _OffloadedCheckpoint(self.offloader, index, current)
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -682,6 +693,24 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
     return [m for m in model.modules()
             if isinstance(m, GradientCheckpointingLayer) and type(m).__name__.endswith("DecoderLayer")]
+
+
+def _stack_layers(stack: torch.nn.Module) -> list[torch.nn.Module]:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in stack.layers if isinstance(m, GradientCheckpointingLayer) and type(m).__name__.endswith("DecoderLayer")]
+
+
+def _layer_stacks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules that hold decoder layers in a ``layers`` list (one for a text model; the
+    language model of a vision-language one)."""
+    found = {id(layer) for layer in _decoder_layers(model)}
+    return [m for m in model.modules()
+            if isinstance(getattr(m, "layers", None), torch.nn.ModuleList) and any(id(x) in found for x in m.layers)]
+
+
+def _guards(stack: torch.nn.Module) -> dict:
+    return {key: hook for key, hook in stack._forward_pre_hooks.items() if isinstance(hook, _OffloadGuard)}
 
 
 def offload_decoder_layers(model: torch.nn.Module, layers: float | int = 1.0, *,
@@ -706,32 +735,36 @@ def offload_decoder_layers(model: torch.nn.Module, layers: float | int = 1.0, *,
         if not 0.0 <= layers <= 1.0:
             raise ValueError(f"layers: expected a fraction in [0, 1], got {layers}")
         count = round(layers * len(found))
+    stacks = _layer_stacks(model)
+    if not stacks:
+        raise ValueError(f"model: expected a transformers model with decoder layers in a `layers` list, "
+                         f"got {type(model).__name__}")
     if offloader is None:
-        existing = [vars(m).get("forward") for m in found]
-        existing = [f.offloader for f in existing if isinstance(f, _OffloadedLayerForward)]
+        existing = [hook.offloader for stack in stacks for hook in _guards(stack).values()]
         offloader = existing[0] if existing and not settings else CheckpointOffloader(**settings)
     offloader.layers = count
     offloader.exclude_parameters_of(model)
-    for index, layer in enumerate(found):
-        current = vars(layer).get("forward")
-        if isinstance(current, _OffloadedLayerForward):
-            current.offloader, current.index = offloader, index
-        else:
-            layer.forward = _OffloadedLayerForward(layer, offloader, index, inner=current)
+    for stack in stacks:
+        for key in _guards(stack):
+            del stack._forward_pre_hooks[key]
+        guard = _OffloadGuard(offloader)
+        stack.register_forward_pre_hook(guard)
+        guard(stack, ())  # wrap the checkpoint functions now (the guard does again at each forward)
     return offloader
 
 
 def restore_decoder_layers(model: torch.nn.Module) -> int:
-    """Undo ``offload_decoder_layers``; how many layers were restored."""
+    """Undo ``offload_decoder_layers``; how many decoder layers were restored."""
     restored = 0
-    for layer in _decoder_layers(model):
-        current = vars(layer).get("forward")
-        if isinstance(current, _OffloadedLayerForward):
-            if current.inner is None:
-                del layer.forward
-            else:
-                layer.forward = current.inner
-            restored += 1
+    for stack in _layer_stacks(model):
+        guards = _guards(stack)
+        for key in guards:
+            del stack._forward_pre_hooks[key]
+        for layer in _stack_layers(stack):
+            current = vars(layer).get("_gradient_checkpointing_func")
+            if isinstance(current, _OffloadedCheckpoint):
+                layer._gradient_checkpointing_func = current.inner
+            restored += bool(guards) or isinstance(current, _OffloadedCheckpoint)
     return restored
 
 

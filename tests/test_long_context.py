@@ -339,6 +339,27 @@ def test_offloaded_checkpoint_inputs_live_in_distinct_host_copies_and_give_the_s
     assert not any("forward" in vars(m) for m in model.modules() if type(m).__name__.endswith("DecoderLayer"))
 
 
+def test_checkpointing_enabled_after_the_offload_and_a_deep_copy_offload_only_checkpoint_inputs():
+    """``gradient_checkpointing_enable`` puts a fresh checkpoint function on every layer (Trainer
+    calls it when training starts, after the user patched): the next forward wraps them again.
+    A deep copy offloads with an offloader of its own."""
+    B, T, H, L = 1, 9, TEXT["hidden_size"], TEXT["num_hidden_layers"]
+    ids = torch.randint(0, 128, (B, T), device=device())
+    expected = _step(_model(), ids)
+    model = _model(checkpointing=False)
+    offloader = lc.offload_decoder_layers(model, 1.0, min_bytes=0)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _assert_same(_step(model, ids), expected)
+    assert offloader.stats["packed"] == offloader.stats["offloaded"] == L  # one [B, T, H] input a layer, no more
+    twin = copy.deepcopy(model)
+    _assert_same(_step(twin, ids), expected)
+    twins = {hook.offloader for stack in lc._layer_stacks(twin) for hook in lc._guards(stack).values()}
+    assert len(twins) == 1 and offloader not in twins and next(iter(twins)).stats["offloaded"] == L
+    assert lc.restore_decoder_layers(twin) == L
+    assert not any(isinstance(vars(m).get("_gradient_checkpointing_func"), lc._OffloadedCheckpoint)
+                   for m in twin.modules())
+
+
 def test_an_offload_that_would_leave_the_host_too_little_is_a_clear_error(monkeypatch):
     ids = torch.randint(0, 128, (1, 9), device=device())
     layer_bytes = 9 * TEXT["hidden_size"] * 4  # one [1, 9, H] fp32 checkpoint input
@@ -541,7 +562,7 @@ def test_apply_to_qwen3_5_long_context_options_same_loss_and_gradients_and_rever
     report = q35lab.apply_to_qwen3_5(long, tiled_mlp=3, offload_checkpoints=1.0)
     assert report.replaced["Qwen3_5MLP (tiled, 3 tokens a tile)"] == 2
     assert any(label.startswith("decoder-layer checkpoints offloaded") for label in report.replaced)
-    ids = torch.randint(0, 128, (1, 11))
+    ids = torch.randint(0, 128, (1, 11), device=device())
     (loss_a, grads_a), (loss_b, grads_b) = loss_and_grads(plain, ids), loss_and_grads(long, ids)
     torch.testing.assert_close(loss_a, loss_b, rtol=1e-6, atol=1e-6)
     assert grads_a.keys() == grads_b.keys()
