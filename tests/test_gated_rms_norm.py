@@ -230,7 +230,8 @@ def test_one_launch_configuration_mechanism(monkeypatch):
     config = op.LaunchConfig(fwd_block_rows=4, fwd_warps=1, bwd_block_rows=2, bwd_warps=1, bwd_tiles_per_program=3,
                              frozen_block_rows=16, frozen_warps=1)
     y = op.gated_rms_norm_fwd(x, g, w, 1e-6, "hf", config=config)
-    assert torch.equal(y, op.gated_rms_norm_fwd(x, g, w, 1e-6, "hf"))
+    # other warps, another reduction order: fp32 rounding apart, not bits (on a GPU; the interpreter's are equal)
+    torch.testing.assert_close(y, op.gated_rms_norm_fwd(x, g, w, 1e-6, "hf"), rtol=1e-5, atol=1e-5)
     for compute_dw, programs in ((True, -(-37 // 6)), (False, -(-37 // 16))):
         ours = op.gated_rms_norm_bwd(dy, x, g, w, 1e-6, "hf", compute_dw, config=config)
         assert grids[-1] == (programs,)
