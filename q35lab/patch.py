@@ -299,7 +299,9 @@ class _ProjectionGroup:
         self._reset()
 
     def _reset(self) -> None:
-        self.cache = ConcatCache()
+        # a copy (weights not one buffer: FSDP2's gathered ones, or split by a later .to()) lives
+        # only while the step needs it, not between steps
+        self.cache = ConcatCache(keep_copies=False)
         self.input_key = None
         self.pending: dict[int, torch.Tensor] = {}
 
@@ -810,6 +812,29 @@ def _is_qwen3_5_module(module: torch.nn.Module) -> bool:
     return (cls.__name__ in known and cls.__module__.startswith("transformers.")) or _is_gated_delta_net(module)
 
 
+def _refuse_sharded(model: torch.nn.Module, what: str) -> None:
+    """Raise when ``model`` is sharded already (FSDP2's ``fully_shard``, or DTensor parameters).
+
+    ``fully_shard`` records the (module, name) of each parameter and, before each forward, gives the
+    gathered weight to that module alone. A module put in afterwards (q35lab's norms) or put back
+    (``revert``) would hold the sharded DTensor for good, and a kernel would fail on it deep inside."""
+    if not torch.distributed.is_available():
+        return
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without FSDP2: nothing can be sharded by it
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule) or any(isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            where = f"module {name!r}" if name else "the model itself"
+            raise RuntimeError(
+                f"{what}: the model is sharded already ({where} is managed by FSDP2's fully_shard or holds DTensor "
+                "parameters). Patch before sharding: call apply_to_qwen3_5(model) first, then fully_shard each "
+                "decoder layer and the root (the patched modules hold the original Parameters, which fully_shard "
+                "then shards like any other); to revert, rebuild the model, or revert before sharding.")
+
+
 def apply_to_qwen3_5(
     model: torch.nn.Module,
     *,
@@ -831,7 +856,10 @@ def apply_to_qwen3_5(
     kernel attached) is the one replaced. Patching twice is harmless (the second report counts
     the modules as already patched). Patch after moving the model to its device and dtype: the
     in_proj fusion moves each GatedDeltaNet's four frozen weights into one buffer there, which a
-    later ``.to()`` splits again (still correct, but the fused GEMM then keeps its own copy).
+    later ``.to()`` splits again (still correct, but each fused call then concatenates them anew).
+
+    With FSDP2, patch first, then ``fully_shard`` each decoder layer and the root: a model that is
+    sharded already is refused (``RuntimeError``), and so is ``revert`` of one.
 
     Long context (off by default): ``tiled_mlp=N`` computes every MLP in tiles of N tokens,
     recomputed per tile in backward (a tile's intermediates instead of the sequence's);
@@ -848,6 +876,7 @@ def apply_to_qwen3_5(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    _refuse_sharded(model, "apply_to_qwen3_5")
     enabled = {"rms_norm": rms_norm, "gated_norm": gated_norm, "lora": lora, "in_proj": in_proj, "flce": flce,
                "conv": conv, "swiglu": swiglu}
     report = PatchReport(qwen3_5=any(map(_is_qwen3_5_module, model.modules())))
@@ -897,6 +926,7 @@ def revert(model: torch.nn.Module) -> PatchReport:
     """Undo ``apply_to_qwen3_5``: every patched module gets its original back (same weights)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    _refuse_sharded(model, "revert")
     report = PatchReport()
     if long_context.restore_decoder_layers(model):
         report.reverted["decoder-layer checkpoint offload"] += 1

@@ -159,6 +159,38 @@ def test_packed_base_weights_make_the_cached_concatenation_a_view():
     torch.testing.assert_close(concatenated, torch.cat([w for w in weights]))
 
 
+def test_a_cache_that_keeps_no_copies_holds_a_concatenation_only_while_backward_needs_it():
+    import gc
+    import weakref
+
+    ps = _projections(bias=True)  # four buffers: the concatenation is a copy
+    weights = [p.weight for p in ps]
+    x = torch.randn(5, K, device=device()).requires_grad_()
+    kept, weak = ConcatCache(), ConcatCache(keep_copies=False)
+    assert kept.get(ps, x.dtype)[0] is kept.get(ps, x.dtype)[0]  # the default: one copy, kept
+    copy, _ = weak.get(ps, x.dtype)
+    assert weak.get(ps, x.dtype)[0] is copy  # while something holds it, it is reused
+    held = weakref.ref(copy)
+    del copy
+    gc.collect()
+    assert held() is None  # the cache alone does not keep it
+    outputs = fused_lora_projections(x, ps, cache=weak)
+    during, _ = weak.get(ps, x.dtype)  # autograd keeps the forward's copy for backward: the same one
+    assert during.data_ptr() in {t.data_ptr() for t in outputs[0].grad_fn.saved_tensors}
+    held = weakref.ref(during)
+    assert _storages([during]).isdisjoint(_storages(weights))
+    del during
+    _assert_same_outputs_and_gradients(outputs, fused_lora_projections_ref(x, ps), x, ps)
+    gc.collect()
+    assert held() is None  # freed with the backward's saved tensors
+    again = fused_lora_projections(x, ps, cache=weak)  # made anew: the same outputs
+    for o, r in zip(again, fused_lora_projections_ref(x, ps)):
+        torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-4)
+    assert pack_rows(weights)  # one buffer: a view, kept either way (it holds no memory of its own)
+    view, _ = weak.get(ps, x.dtype)
+    assert view.data_ptr() == weights[0].data_ptr() and weak.get(ps, x.dtype)[0] is view
+
+
 @pytest.mark.parametrize("weights", [
     lambda: [torch.randn(3, K), torch.randn(2, K, dtype=torch.float64)],  # dtypes differ
     lambda: [torch.randn(3, K), torch.randn(2, K + 1)],  # widths differ

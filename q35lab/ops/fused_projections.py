@@ -24,7 +24,9 @@ only when one of them changes (a new tensor or an in-place update); the adapters
 optimizer step and are concatenated on every call (Σr·K values: negligible). A cached copy would
 hold every base weight twice (ΣN·K values: 101 MB per GatedDeltaNet at the default dims), so
 ``pack_rows`` can first move the weights into one buffer, each its own row slice of it: the
-concatenation is then a view of that buffer, not a copy.
+concatenation is then a view of that buffer, not a copy. Weights that are not one buffer because
+they are gathered anew each step (FSDP2's) are concatenated at each call instead, the copy alive
+only until backward has used it (``ConcatCache(keep_copies=False)``, as the patch asks).
 
 The outputs are column blocks of the one ``[T, ΣN]`` buffer ``y``, handed out as tensors of their
 own over its memory (``set_``), not as views: autograd forbids in-place edits of views made inside
@@ -36,6 +38,7 @@ version counter, as separate modules' outputs do.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -105,25 +108,38 @@ def _rows_of_one_buffer(weights: list[torch.Tensor], dtype: torch.dtype) -> torc
 
 class ConcatCache:
     """The concatenated base weights (and biases) of a group, rebuilt only when they change; a view,
-    not a copy, when the weights already lie back to back in one buffer (``pack_rows``)."""
+    not a copy, when the weights already lie back to back in one buffer (``pack_rows``).
 
-    def __init__(self):
+    ``keep_copies=False``: a concatenation made by copy is held only weakly, alive while autograd
+    keeps it for backward (or a caller holds it) and made again once it is freed. For weights that
+    are not one buffer because they are gathered anew each step (FSDP2's unsharded parameters, freed
+    after each layer's forward and backward), a copy kept between steps would hold every layer's
+    weights whole on every rank."""
+
+    def __init__(self, keep_copies: bool = True):
+        self.keep_copies = keep_copies
         self._key = None
-        self._value = None
+        self._value = None  # (weight or a weak reference to a copied weight, bias)
 
     def get(self, projections: list[Projection], dtype: torch.dtype):
         tensors = [p.weight for p in projections] + [p.bias for p in projections if p.bias is not None]
         key = (dtype, tuple((id(t), t._version, t.data_ptr()) for t in tensors))
-        if key != self._key:
-            weight = _rows_of_one_buffer([p.weight for p in projections], dtype)
-            if weight is None:
-                weight = torch.cat([p.weight.detach().to(dtype) for p in projections], dim=0)
-            bias = None
-            if any(p.bias is not None for p in projections):
-                bias = torch.cat([(p.bias.detach() if p.bias is not None else torch.zeros(p.weight.shape[0], device=weight.device)).to(dtype)
-                                  for p in projections])
-            self._key, self._value = key, (weight, bias)
-        return self._value
+        if key == self._key:
+            weight, bias = self._value
+            weight = weight() if isinstance(weight, weakref.ref) else weight
+            if weight is not None:
+                return weight, bias
+        weight = _rows_of_one_buffer([p.weight for p in projections], dtype)
+        copied = weight is None
+        if copied:
+            weight = torch.cat([p.weight.detach().to(dtype) for p in projections], dim=0)
+        bias = None
+        if any(p.bias is not None for p in projections):  # ΣN values: always kept
+            bias = torch.cat([(p.bias.detach() if p.bias is not None else torch.zeros(p.weight.shape[0], device=weight.device)).to(dtype)
+                              for p in projections])
+        self._key = key
+        self._value = (weakref.ref(weight) if copied and not self.keep_copies else weight, bias)
+        return weight, bias
 
 
 def fused_lora_projections_ref(x: torch.Tensor, projections: list[Projection], seeds=None) -> tuple[torch.Tensor, ...]:
