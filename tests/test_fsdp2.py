@@ -332,19 +332,10 @@ def test_fsdp2_shards_the_lora_gradients_and_runs_the_fused_paths(fsdp_results, 
 
 def test_patching_after_fully_shard_is_refused_with_a_clear_error(fsdp_results):
     """fully_shard, then apply_to_qwen3_5 (or revert of a model patched, then sharded): refused,
-    saying to patch before sharding. (Where the library does not check yet, the patch goes through
-    and the first forward fails deep in a kernel on a DTensor weight: an expected failure until it
-    does.)"""
+    saying to patch before sharding (a norm put in after fully_shard would keep the sharded
+    DTensor weight for good, and its kernel would fail on it)."""
     seed, ranks = fsdp_results
-    outcomes = [r["shard_first"] for r in ranks]
-    if all("raised" in o for o in outcomes):
-        for o in outcomes:
-            for key in ("raised", "revert_raised"):
-                assert key in o, f"{key[:-7] or 'apply'}: not refused ({o.keys()})"
-                assert "fully_shard" in o[key] and "before" in o[key], o[key]
-        return
-    if any("step_error" in o for o in outcomes):
-        pytest.xfail("apply_to_qwen3_5 does not refuse a model that fully_shard has sharded; its first step then "
-                     f"fails: {next(o['step_error'] for o in outcomes if 'step_error' in o)[:300]}")
-    pytest.fail(f"patched after fully_shard, the model trained without an error: {outcomes[0].keys()} (seed {seed}); "
-                "if that is meant to work now, compare it here like the patch-first order")
+    for o in (r["shard_first"] for r in ranks):
+        for key in ("raised", "revert_raised"):
+            assert key in o, f"{key[:-7] or 'apply'}: not refused ({o.keys()}, seed {seed})"
+            assert "fully_shard" in o[key] and "before" in o[key], o[key]
