@@ -26,7 +26,7 @@ OPS=${OPS:-offset_rms_norm}
 NOTEBOOKS=${NOTEBOOKS:-*.ipynb}
 if [[ ! -d /tmp/site ]]; then  # once per machine: a second run in the same call reuses them
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      $(ls .whl/*.whl | grep -v -e fla -e flash_linear) || exit 1
+      $(ls .whl/*.whl .whl-peers/*.whl .whl-notebooks/*.whl 2>/dev/null | grep -v -e fla -e flash_linear) || exit 1
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_fla \
       $(ls .whl/*.whl | grep -e fla -e flash_linear) 2>/dev/null
   [[ -s .whl/triton-3.7.1-slim.tar.xz ]] && mkdir -p /tmp/tri && tar xJf .whl/triton-3.7.1-slim.tar.xz -C /tmp/tri

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call a stage (each under 10 minutes); every step packs what it has into
 # $OUT/results.tgz (scripts/gpu_run.sh), so a call cut short still returns its results.
-# Carry .whl with the slim Triton, fla, liger, cut-cross-entropy, and for `peers` axolotl 0.21, its
-# slimmed bitsandbytes and addict (axolotl.utils.dict imports it); the notebook wheels (nbmake,
-# ipykernel and theirs) only for `notebooks`: everything together is over the 64 MiB a call carries.
+# Carry .whl (the slim Triton, fla, liger, cut-cross-entropy); for `peers` also .whl-peers (axolotl
+# 0.21, its slimmed bitsandbytes, addict, and pydantic with its three dependencies: axolotl's Liger
+# integration imports them); for `notebooks` also .whl-notebooks (nbmake, ipykernel and theirs).
+# All three together are over the 64 MiB a call carries.
 #
 #   bash scripts/gpu_session.sh tests      # every test file compiled on the GPU, 8 files at a time
 #   bash scripts/gpu_session.sh STAGE STAGE...  # several stages in one call, in order
