@@ -63,7 +63,8 @@ fi
 # whole-model measurements: every variant runs in a process of its own
 [[ $STEPS == *layer* ]] && step layer python3 -m q35lab.e2e --what layer --layers 1 \
     --variants ${LAYER_VARIANTS:-peft q35lab} --T ${LAYER_T:-8192 32768} --out data/bench/$gpu/gdn_layer.csv
-[[ $STEPS == *e2e* ]] && step e2e python3 -m q35lab.e2e \
+e2e_log=e2e_$(echo "${E2E_VARIANTS:-} ${E2E_T:-} ${E2E_ARGS:-}" | tr -cs 'a-zA-Z0-9.+:' '-')  # one log a run
+[[ $STEPS == *e2e* ]] && step "$e2e_log" python3 -m q35lab.e2e \
     --variants ${E2E_VARIANTS:-peft peft+liger q35lab} --T ${E2E_T:-8192 32768} ${E2E_FIT:+--fit} ${E2E_ARGS:-} \
     --out data/bench/$gpu/end_to_end.csv
 [[ $STEPS == *check* ]] && step check env PYTHONPATH=$WITH_FLA python3 -m q35lab check $OPS

@@ -256,6 +256,11 @@ def test_a_second_run_keeps_the_rows_it_did_not_measure_again(tmp_path):
     again = e2e.merge_rows(path, [{"variant": "q35lab", "T": 131072, "step_ms": 4.0}])
     assert sorted(again.loc[again.variant == "q35lab", "T"].tolist()) == [8192, 32768, 131072]
     assert again.loc[again["T"] == 131072, "step_ms"].item() == 4.0
+    # a child writes a step's row, then the row again with its breakdown: the completed line wins
+    done = e2e.merge_rows(path, [{"variant": "q35lab", "T": 32768, "step_ms": 5.0},
+                                 {"variant": "q35lab", "T": 32768, "step_ms": 5.0, "floor_ms": 4.0}], last_line_wins=True)
+    row = done.loc[(done.variant == "q35lab") & (done["T"] == 32768)]
+    assert len(row) == 1 and row.floor_ms.item() == 4.0
 
 
 # ----------------------------------------------------------------------------------------------

@@ -102,6 +102,11 @@ def _breakdown(model, T: int, args, key: dict) -> dict:
     return {"device_ms": device_ms, "floor_ms": floor["total_ms"]}
 
 
+def _write_line(path, row: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 def _one_variant(args) -> None:
     """Runs in its own process: build, patch, measure every T, append JSON lines to --out."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -119,14 +124,14 @@ def _one_variant(args) -> None:
                "report": " ".join(str(report).split())[:2000] if report else ""}
         if not missing:
             row.update(_measured(model, T, args))
+        row.update(info)
         if args.breakdown and args.what == "step" and T in args.T and row["status"] == "ok":
+            _write_line(args.out, row)  # the step's row first: a breakdown cut short must not take it along
             looked = _breakdown(model, T, args, {**key, **info})
             row.update(looked, note="; ".join(filter(None, (row["note"], looked.get("note")))))
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        row.update(info)
-        with open(args.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        _write_line(args.out, row)  # (merge_rows keeps the last line of a key)
         if args.what == "layer":
             print(f"{args.variant:22s} T={T:6d} {row['status']:5s} GatedDeltaNet fwd+bwd {row.get('layer_ms', math.nan):8.2f} ms, "
                   f"in_proj {row.get('in_proj_ms', math.nan):8.2f} ms, core {row.get('core_ms', math.nan):8.2f} ms", flush=True)
@@ -198,22 +203,24 @@ def main(argv=None) -> int:
             with open(lines, "a") as f:
                 for T in args.T:
                     f.write(json.dumps({"variant": variant, "T": T, "status": "error", "note": "the process failed"}) + "\n")
-    _merge_lines(lines, out)
+    _merge_lines(lines, out, last_line_wins=True)
     if breakdown_lines.exists():
         _merge_lines(breakdown_lines, out.with_name("step_breakdown.csv"))
     return 0
 
 
-def _merge_lines(lines: Path, csv: Path) -> None:
+def _merge_lines(lines: Path, csv: Path, last_line_wins: bool = False) -> None:
     """The children's JSON lines merged into ``csv`` (``merge_rows``); the lines removed."""
     rows = [json.loads(line) for line in lines.read_text().splitlines()] if lines.exists() else []
-    merge_rows(csv, rows).to_csv(csv, index=False, float_format="%.5g")
+    merge_rows(csv, rows, last_line_wins).to_csv(csv, index=False, float_format="%.5g")
     lines.unlink(missing_ok=True)
 
 
-def merge_rows(path: Path, rows: list[dict]):
+def merge_rows(path: Path, rows: list[dict], last_line_wins: bool = False):
     """This run's rows, after the rows already in ``path`` that it did not measure again (another
-    variant, or another T of the same variant): results gathered over several device calls."""
+    variant, or another T of the same variant): results gathered over several device calls.
+    ``last_line_wins``: of this run's rows with the same key, only the last (a step's row written
+    before its breakdown and again after it); the breakdown's own rows share a key per category."""
     import pandas as pd
 
     def integer_sizes(frame):  # a row without T would make the column float, written as 1.3107e+05
@@ -222,12 +229,16 @@ def merge_rows(path: Path, rows: list[dict]):
         return frame
 
     new = integer_sizes(pd.DataFrame(rows))
+    if "batch" not in new.columns:  # a packed or padded row never replaces a row of one sequence
+        new["batch"] = math.nan
+    own = [c for c in ("variant", "T", "size", "layers", "batch") if c in new.columns]
+    if last_line_wins:
+        new = new.loc[~new[own].astype(str).duplicated(keep="last")]
     if not path.exists() or path.stat().st_size == 0:
-        return new
+        return new.reset_index(drop=True)
     old = integer_sizes(read_csv(path))
-    for frame in (old, new):  # a packed or padded row never replaces a row of one sequence
-        if "batch" not in frame.columns:
-            frame["batch"] = math.nan
+    if "batch" not in old.columns:
+        old["batch"] = math.nan
     # a row is (variant, T, batch) of one model: its size and layers where both frames record them
     key = [c for c in ("variant", "T", "size", "layers", "batch") if c in old.columns and c in new.columns]
     if {"variant", "T"} <= set(key):
