@@ -16,7 +16,7 @@ if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.b
 import matplotlib.pyplot as plt  # noqa: E402
 
 __all__ = ["COLORS", "color_of", "plot_bandwidth", "plot_time", "plot_memory", "op_figure", "ablation_waterfall",
-           "figure_name", "render"]
+           "step_breakdown_figure", "figure_name", "render"]
 
 COLORS = {
     "transformers": "#7f7f7f",
@@ -161,6 +161,54 @@ def ablation_waterfall(at, baseline: str = "peft", full: str = "q35lab", column:
     ax.bar(labels, heights, bottom=bottoms, color=colors, edgecolor="black", linewidth=0.5)
     ax.set_ylabel(column.replace("_", " "))
     ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    return fig
+
+
+def step_breakdown_figure(breakdown: pandas.DataFrame):
+    """One step's kernels against its floor: for the whole step and for each kind of work, the
+    device time its kernels took (ours' colour) beside the floor's term for that work (grey), the
+    milliseconds at each bar and measured / floor at the end of each pair.
+
+    ``breakdown``: the rows of ``step_breakdown.csv`` for one step (one row a category; the floor's
+    columns repeat on every row). The categories meet the floor's terms as the floor counts the
+    work: GEMM the GEMM term, attention the attention term, delta rule and conv the core term,
+    q35lab kernels, copies/casts and other elementwise the streaming term. Returns the figure."""
+    keys = [c for c in ("variant", "T", "size", "commit") if c in breakdown]
+    if breakdown.empty or len(breakdown.drop_duplicates(keys)) != 1:
+        raise ValueError(f"breakdown: expected the rows of one step (one {'/'.join(keys)}), got {len(breakdown)} rows")
+    groups = (("GEMM", ("GEMM",), "floor_gemm_ms"),
+              ("attention", ("attention",), "floor_attention_ms"),
+              ("delta rule + conv", ("delta rule", "conv"), "floor_core_ms"),
+              ("streaming: q35lab kernels,\ncopies/casts, other elementwise",
+               ("q35lab kernels", "copies/casts", "other elementwise"), "floor_streaming_ms"))
+    ms = breakdown.groupby("category")["ms"].sum()
+    missing = {c for _, categories, _ in groups for c in categories} - set(ms.index)
+    if missing:
+        raise ValueError(f"breakdown: no row for {sorted(missing)}")
+    row = breakdown.iloc[0]
+    labels = ["whole step"] + [label for label, _, _ in groups]
+    measured = [float(ms.sum())] + [float(ms.loc[list(categories)].sum()) for _, categories, _ in groups]
+    floor = [float(row["floor_total_ms"])] + [float(row[term]) for _, _, term in groups]
+    fig, ax = plt.subplots(figsize=(9.5, 4.4))
+    height, ys = 0.38, range(len(labels))
+    mine = ax.barh([y - height / 2 for y in ys], measured, height, color=color_of("q35lab"),
+                   label="measured: device time of its kernels")
+    least = ax.barh([y + height / 2 for y in ys], floor, height, color="0.7",
+                    label="floor: the same work at this GPU's measured rates")
+    for bars, values in ((mine, measured), (least, floor)):
+        ax.bar_label(bars, labels=[f"{v:.0f} ms" for v in values], padding=3, fontsize=8)
+    for y, m, f in zip(ys, measured, floor):
+        ax.annotate(f"{m / f:.2f}× its floor", (0.99, y), xycoords=("axes fraction", "data"), ha="right",
+                    va="center", fontsize=9, fontweight="bold" if y == 0 else "normal")
+    ax.set_yticks(list(ys), labels)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(measured + floor) * 1.42)
+    ax.set_xlabel("ms per step")
+    ax.legend(loc="lower right", bbox_to_anchor=(0.86, 0.0), frameon=False, fontsize=8)
+    size = f"{row['size']}, " if "size" in breakdown else ""
+    ax.set_title(f"{row.get('variant', 'step')}, {size}T = {int(row['T']) // 1024}k: kernels against the floor"
+                 f" — {row.get('gpu', '')}, {row.get('date', '')}", fontsize=10)
     fig.tight_layout()
     return fig
 
