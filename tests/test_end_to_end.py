@@ -490,6 +490,24 @@ def test_the_floor_of_the_tiny_step_matches_a_hand_count():
     assert math.isnan(unknown["attention_ms"]) and math.isnan(unknown["total_ms"]) and unknown["core_ms"] == 9.0
 
 
+@pytest.mark.parametrize("size, T, rank", [("tiny", 16, 8), ("tiny", 7, 1), ("9b", 32768, 16), ("35b-a3b", 8192, 16)])
+def test_the_step_gemms_are_the_work_the_floor_counts(size, T, rank):
+    """step_gemms lists the products (m, k, n) that gemms_alone_ms times one by one: their FLOPs
+    (2mkn each) are step_gemm_flop's, GEMM by GEMM of linear_flop; on a CPU nothing is timed."""
+    from q35lab.bench.e2e import floor
+
+    config = e2e.config(size, layers=4)
+    gemms = floor.step_gemms(config, T, rank)
+    assert sum(2 * m * k * n * count for (m, k, n), count in gemms.items()) == floor.step_gemm_flop(config, T, rank)
+    assert all(count > 0 and min(shape) > 0 for shape, count in gemms.items())
+    assert (T, config.hidden_size, config.vocab_size) in gemms  # the LM head's forward
+    if not torch.cuda.is_available():
+        assert math.isnan(floor.gemms_alone_ms(config, T, rank, "cpu"))
+    terms = floor.step_floor(config, T, rank, 1.0, 1.0, 1.0, 1.0, gemms_alone_ms=5.0)
+    assert terms["gemm_at_shapes_ms"] == 5.0 and terms["total_ms"] == pytest.approx(
+        terms["gemm_ms"] + terms["attention_ms"] + terms["core_ms"] + terms["streaming_ms"])  # beside, not in it
+
+
 @pytest.mark.parametrize("size", ["tiny", "35b-a3b"])
 def test_the_floor_counts_every_linear_layer_of_the_model(size):
     """The config's linear layers are the built model's nn.Linear modules (those PEFT wraps), and

@@ -95,7 +95,7 @@ def _breakdown(model, T: int, args, key: dict) -> dict:
     device_ms = sum(row["ms"] for row in rows)
     beside = {"device_ms": device_ms, **{f"floor_{term}": value for term, value in floor.items()},
               "matmul_tflops": rates["matmul_tflops"], "copy_gbps": rates["copy_gbps"],
-              "sdpa_layer_ms": rates["sdpa_ms"], "core_layer_ms": rates["core_ms"]}
+              "sdpa_layer_ms": rates["sdpa_ms"], "core_layer_ms": rates["core_ms"]}  # (floor_gemm_at_shapes_ms among the floor's)
     with open(_breakdown_lines(args.out), "a") as f:
         for row in rows:
             f.write(json.dumps({**key, **row, **beside}) + "\n")

@@ -91,6 +91,53 @@ def step_gemm_flop(config, T: int, rank: int) -> int:
     return T * (per_token + 4 * config.hidden_size * config.vocab_size)
 
 
+def step_gemms(config, T: int, rank: int) -> dict[tuple[int, int, int], int]:
+    """The GEMMs of a step as ``{(m, k, n): count}`` (an ``[m, k] @ [k, n]`` product each), the
+    same work ``linear_flop`` and ``step_gemm_flop`` count: per linear layer its base forward
+    ``(T, k, n)`` twice (forward, recompute) and dx ``(T, n, k)``; its adapter's ``xA (T, k, r)``
+    and ``(xA)B (T, r, n)`` twice, ``dB (n, T, r)``, ``d(xA) (T, n, r)``, ``dA (r, T, k)``, dx
+    through A ``(T, r, k)``; the LM head's forward ``(T, H, V)`` and dx ``(T, V, H)``. Routed
+    experts as one dense GEMM of ``rows·T`` rows."""
+    gemms: dict[tuple[int, int, int], int] = {}
+
+    def add(shape, count):
+        gemms[shape] = gemms.get(shape, 0) + count
+
+    for kind in config.layer_types:
+        for layer in decoder_linears(config, kind):
+            m, k, n, r = layer.rows * T, layer.k, layer.n, rank
+            add((m, k, n), 2)
+            add((m, n, k), 1)
+            if layer.lora:
+                for shape, count in (((m, k, r), 2), ((m, r, n), 2), ((n, m, r), 1), ((m, n, r), 1), ((r, m, k), 1),
+                                     ((m, r, k), 1)):
+                    add(shape, count)
+    H, V = config.hidden_size, config.vocab_size
+    add((T, H, V), 1)
+    add((T, V, H), 1)
+    return gemms
+
+
+def gemms_alone_ms(config, T: int, rank: int, device, max_rows: int = 8192) -> float:
+    """The step's GEMMs (``step_gemms``) each run alone in bf16 on ``device`` at its own shape:
+    what cuBLAS reaches on exactly this work, against which ``gemm_ms`` (every FLOP at the 8192³
+    rate) is the stricter floor. A GEMM of more than ``max_rows`` rows (or columns, or inner
+    length: the LM head's 248k-wide product would need 16 GB at 32k) is timed on that many and
+    scaled: its time is linear in each dimension once it is that long. NaN on a CPU."""
+    if torch.device(device).type != "cuda":
+        return math.nan
+    total = 0.0
+    for (m, k, n), count in step_gemms(config, T, rank).items():
+        dims = [min(d, max_rows) if d > max_rows else d for d in (m, k, n)]
+        scale = (m * k * n) / (dims[0] * dims[1] * dims[2])
+        a = torch.randn(dims[0], dims[1], device=device, dtype=torch.bfloat16)
+        b = torch.randn(dims[1], dims[2], device=device, dtype=torch.bfloat16)
+        torch.mm(a, b)  # cuBLAS picks and warms its kernel
+        total += count * scale * kernel_ms([lambda: torch.mm(a, b)] * 3)
+        del a, b
+    return total
+
+
 def streaming_elements(config, layer_type: str) -> tuple[int, int]:
     """Activation elements per token a decoder layer's streaming ops must read and write, (forward,
     backward), at their minimum: each op reads its inputs and writes its outputs once.
@@ -143,7 +190,7 @@ def step_streaming_bytes(config, T: int) -> int:
 
 
 def step_floor(config, T: int, rank: int, matmul_tflops: float, copy_gbps: float, sdpa_ms: float | None,
-               core_ms: float | None) -> dict:
+               core_ms: float | None, gemms_alone_ms: float | None = None) -> dict:
     """The step's floor, term by term (ms):
 
     * ``gemm_ms`` = ``step_gemm_flop / (matmul_tflops · 1e9)``: every GEMM at the run's bf16 matmul rate;
@@ -152,14 +199,17 @@ def step_floor(config, T: int, rank: int, matmul_tflops: float, copy_gbps: float
     * ``core_ms`` = GatedDeltaNet layers × ``core_ms``, one layer's delta-rule core the same way;
     * ``streaming_ms`` = ``step_streaming_bytes / (copy_gbps · 1e6)``: norms, SwiGLU, conv,
       rotary, gates and residual adds at the run's copy speed;
-    * ``total_ms``, their sum; beside them the counts, ``gemm_tflop`` and ``streaming_gb``.
+    * ``total_ms``, their sum; beside them the counts, ``gemm_tflop`` and ``streaming_gb``, and
+      ``gemm_at_shapes_ms``: the same GEMMs each alone at its own shape (``gemms_alone_ms``), the
+      share of the GEMM gap that is cuBLAS on these shapes rather than the step's code.
 
     An unknown rate (None or NaN) makes its term and the total NaN."""
     kinds = list(config.layer_types)
     flop, nbytes = step_gemm_flop(config, T, rank), step_streaming_bytes(config, T)
     terms = {"gemm_ms": flop / (matmul_tflops * 1e9), "attention_ms": kinds.count("full_attention") * _known(sdpa_ms),
              "core_ms": kinds.count("linear_attention") * _known(core_ms), "streaming_ms": nbytes / (copy_gbps * 1e6)}
-    return {**terms, "total_ms": sum(terms.values()), "gemm_tflop": flop / 1e12, "streaming_gb": nbytes / 1e9}
+    return {**terms, "total_ms": sum(terms.values()), "gemm_tflop": flop / 1e12, "streaming_gb": nbytes / 1e9,
+            "gemm_at_shapes_ms": _known(gemms_alone_ms)}
 
 
 def _known(value: float | None) -> float:
@@ -171,11 +221,18 @@ def _known(value: float | None) -> float:
 # ----------------------------------------------------------------------------------------------
 def floor_inputs(model, T: int) -> dict:
     """``step_floor``'s rates for ``model`` at ``T``: bench.core's copy and matmul ceilings (NaN on
-    a CPU) and one layer's SDPA and delta-rule core alone, as the step runs them."""
+    a CPU), one layer's SDPA and delta-rule core alone, as the step runs them, and the step's GEMMs
+    alone at their shapes (LoRA rank read from the model's adapters)."""
     device = next(model.parameters()).device
     ceilings = measure_ceilings() if device.type == "cuda" else Ceilings(math.nan, math.nan)
     return {"matmul_tflops": ceilings.matmul_tflops, "copy_gbps": ceilings.copy_gbps,
-            "sdpa_ms": attention_alone_ms(model, T), "core_ms": delta_rule_alone_ms(model, T)}
+            "sdpa_ms": attention_alone_ms(model, T), "core_ms": delta_rule_alone_ms(model, T),
+            "gemms_alone_ms": gemms_alone_ms(model.config.get_text_config(), T, _lora_rank(model), device)}
+
+
+def _lora_rank(model) -> int:
+    """The rank of the model's first LoRA adapter (its A's rows), 0 without one."""
+    return next((p.shape[0] for name, p in model.named_parameters() if "lora_A" in name), 0)
 
 
 def attention_alone_ms(model, T: int) -> float:
