@@ -14,6 +14,8 @@
 #   bash scripts/gpu_session.sh ablation   # q35lab with one optimization at a time, 9B/32k
 #   bash scripts/gpu_session.sh big        # q35lab and PEFT + Liger at 27B/16k and 35B-A3B/8k
 #   bash scripts/gpu_session.sh packed     # the SFT length mix at 32k, packed and padded
+#   bash scripts/gpu_session.sh fsdp       # q35lab and PEFT + Liger under FSDP2 on every GPU of the machine
+#                                          # (world size 1 on one H200: the sharded code path, measured)
 #   LONG_T="T..." bash scripts/gpu_session.sh long  # each long-context option alone at 32k, then
 #                                          # q35lab+long at each T until one fits
 #   bash scripts/gpu_session.sh notebooks  # every notebook executed (outputs kept)
@@ -21,7 +23,7 @@
 # The first step that trains a model at a new shape spends ~60 s in fla's autotuning (cached for
 # the later processes of the same machine: TRITON_CACHE_AUTOTUNING=1): give it that much more.
 set -uo pipefail
-[[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|step|peers|ablation|packed|long|notebooks ..."; exit 2; }
+[[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|step|peers|ablation|big|packed|long|fsdp|notebooks ..."; exit 2; }
 csv=data/bench/nvidia-h200/end_to_end.csv
 e2e() {  # e2e SECONDS VARIANTS T ARGS...
   local limit=$1 variants=$2 T=$3; shift 3
@@ -63,6 +65,14 @@ rows = pd.read_csv(sys.argv[1])
 row = rows[(rows.variant == "q35lab+long") & (rows["T"] == int(sys.argv[2]))]
 sys.exit(0 if len(row) and row.status.iloc[-1] == "ok" else 1)
 EOF
+    done
+    ;;
+  fsdp)
+    gpus=$(nvidia-smi -L | wc -l)
+    for v in q35lab peft+liger; do
+      PYTHONPATH=$( [[ -d /tmp/tri/triton ]] && echo /tmp/tri: )/tmp/site_fla:/tmp/site:$PWD timeout 300 \
+        python3 -m torch.distributed.run --standalone --nproc_per_node="$gpus" scripts/fsdp2_step.py \
+        --size 9b --T 32768 --steps 2 --variant $v --out data/bench/nvidia-h200/fsdp2_step.jsonl 2>&1 | tail -n 5
     done
     ;;
   notebooks) STEPS=notebooks TIMEOUT_notebooks=280 bash scripts/gpu_run.sh ;;
