@@ -68,6 +68,7 @@ EOF
     done
     ;;
   fsdp)
+    STEPS=install bash scripts/gpu_run.sh >/dev/null  # unpacks the wheels and the slim Triton (no step is named so)
     gpus=$(nvidia-smi -L | wc -l)
     for v in q35lab peft+liger; do
       PYTHONPATH=$( [[ -d /tmp/tri/triton ]] && echo /tmp/tri: )/tmp/site_fla:/tmp/site:$PWD timeout 300 \
