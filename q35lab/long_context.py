@@ -1,5 +1,6 @@
-"""Long-context memory for Qwen3.5 LoRA training: a sequence-tiled MLP, decoder-layer checkpoints
-offloaded to host memory, and the memory-per-token model that says how long a step fits.
+"""Long-context memory for Qwen3.5 LoRA training: a sequence-tiled MLP and GatedDeltaNet,
+decoder-layer checkpoints offloaded to host memory, and the memory-per-token model that says how
+long a step fits.
 
 Under gradient checkpointing a training step's peak is linear in the tokens T::
 
@@ -15,6 +16,10 @@ of checkpoint inputs for Qwen3.5-9B. The two remedies are those of Arctic Long S
 * ``tiled_mlp`` computes the MLP a tile of the sequence at a time and recomputes each tile in
   the backward, so its working set is one tile's ``[tile, I]`` intermediates instead of T's
   (the MLP is per token, so this is exact);
+* ``tiled_gated_delta_net`` does the same for a GatedDeltaNet, whose only state along the
+  sequence — the causal conv's last K−1 input rows and the delta rule's recurrent state — is
+  carried from tile to tile in the forward and its gradient from tile to tile in the backward
+  (also exact: a scan, not an approximation);
 * ``offload_decoder_layers`` / ``offloaded_checkpoints`` move the checkpoint inputs (one
   ``[B, T, H]`` hidden state per decoder layer) to host memory during the forward, on a side
   CUDA stream, and bring them back during the backward, the next layer's prefetched.
@@ -28,8 +33,12 @@ autograd and stream plumbing, and run on a CPU (where the "offload" is a copy).
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import math
 import numbers
+import sys
+import warnings
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -48,6 +57,14 @@ __all__ = [
     "tile_mlps",
     "untile_mlps",
     "MLP_CLASSES",
+    "tiled_gated_delta_net",
+    "TiledGDNFunction",
+    "TiledGDNForward",
+    "tile_gated_delta_net",
+    "untile_gated_delta_net",
+    "tile_gated_delta_nets",
+    "untile_gated_delta_nets",
+    "gated_delta_net_problem",
     "CheckpointOffloader",
     "offloaded_checkpoints",
     "offload_decoder_layers",
@@ -69,14 +86,21 @@ KiB = 2**10
 
 
 # ==============================================================================================
-# 1. The sequence-tiled MLP
+# 1. Sequence tiling: one engine, the tiled MLP and the tiled GatedDeltaNet
 # ==============================================================================================
 class _Tiles:
-    """What the tiled MLP's backward needs besides tensors: the MLP, the tiling, the autocast
-    state of the forward and each tile's RNG state (plain attributes: never saved tensors)."""
+    """What a tiled Function's backward needs besides tensors: the per-tile function, the tiling,
+    the autocast state of the forward and each tile's RNG state (plain attributes: never saved
+    tensors).
 
-    def __init__(self, fn, tile: int, preserve_rng_state: bool, device: torch.device):
-        self.fn, self.tile, self.preserve_rng_state = fn, tile, preserve_rng_state
+    ``fn`` is either a per-token map ``fn(piece) -> y`` (``scan=False``: the MLP), or a scan step
+    ``fn(piece, carry, (start, end)) -> (y, carry)`` (``scan=True``: the GatedDeltaNet), where
+    ``carry`` is None for the first tile and otherwise the tuple of tensors the previous tile
+    returned — what the sequence carries across a tile boundary."""
+
+    def __init__(self, fn, tile: int, preserve_rng_state: bool, device: torch.device, *, scan: bool = False,
+                 name: str = "mlp_forward"):
+        self.fn, self.tile, self.preserve_rng_state, self.scan, self.name = fn, tile, preserve_rng_state, scan, name
         self.device_type = device.type
         # the device whose RNG dropout draws from (none for a CPU input: the CPU state is always kept)
         self.rng_devices = [device.index if device.index is not None else 0] if device.type not in ("cpu", "meta") else []
@@ -86,6 +110,12 @@ class _Tiles:
 
     def bounds(self, tokens: int):
         return [(start, min(start + self.tile, tokens)) for start in range(0, tokens, self.tile)]
+
+    def step(self, piece: torch.Tensor, carry, span: tuple[int, int]):
+        """(the tile's output, the carry it hands on): a per-token map hands on nothing."""
+        if self.scan:
+            return self.fn(piece, carry, span)
+        return self.fn(piece), None
 
     def record_rng(self) -> None:
         device_states = [_device_module(self.device_type).get_rng_state(d) for d in self.rng_devices]
@@ -122,23 +152,47 @@ def _autocast(state: dict):
         yield
 
 
-def _run_tiles(tiles: _Tiles, x: torch.Tensor, record_rng: bool) -> torch.Tensor:
-    """``fn`` over each tile of ``x`` (along dim -2), written into one output."""
+def _run_tiles(tiles: _Tiles, x: torch.Tensor, record_rng: bool) -> tuple[torch.Tensor, list]:
+    """``fn`` over each tile of ``x`` (along dim -2), written into one output. Returns the output
+    and the carry that entered each tile (None for the first tile, and for every tile of a
+    per-token map): the backward's recompute of tile i starts from carry i."""
     tokens = x.shape[-2]
-    out = None
+    out, carry, carries = None, None, []
     for start, end in tiles.bounds(tokens):
         if record_rng:
             tiles.record_rng()
+        carries.append(carry)
         piece = x[..., start:end, :]
-        y = tiles.fn(piece)
+        y, carry = tiles.step(piece, carry, (start, end))
         if not isinstance(y, torch.Tensor) or y.dim() != piece.dim() or y.shape[:-1] != piece.shape[:-1]:
             got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
-            raise ValueError(f"mlp_forward: expected a tensor of shape {tuple(piece.shape[:-1])} + (N,) for a tile "
+            raise ValueError(f"{tiles.name}: expected a tensor of shape {tuple(piece.shape[:-1])} + (N,) for a tile "
                              f"of shape {tuple(piece.shape)} (a per-token map), got {got}")
         if out is None:
             out = y.new_empty((*x.shape[:-2], tokens, y.shape[-1]))
         out[..., start:end, :].copy_(y)
-    return out
+    return out, carries
+
+
+def _flatten_carries(carries: list) -> tuple[list, list]:
+    """The carries' tensors in one list (for ``save_for_backward``) and each carry's count (0: None)."""
+    sizes = [0 if c is None else len(c) for c in carries]
+    return [t for c in carries if c is not None for t in c], sizes
+
+
+def _unflatten_carries(flat, sizes: list) -> list:
+    carries, at = [], 0
+    for n in sizes:
+        carries.append(None if n == 0 else tuple(flat[at:at + n]))
+        at += n
+    return carries
+
+
+def _carry_leaves(carry):
+    """A saved carry as fresh leaves of the recompute, those of a float dtype requiring grad."""
+    if carry is None:
+        return None
+    return tuple(c.detach().requires_grad_(c.is_floating_point()) for c in carry)
 
 
 class _StashInput(torch.autograd.Function):
@@ -156,75 +210,124 @@ class _StashInput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         ctx.save_for_backward(x)
-        return x.view_as(x)  # internal: only TiledMLPFunction reads it
+        return x.view_as(x)  # internal: only the tiled Function reads it
 
     @staticmethod
     def backward(ctx, grad):
         return grad
 
 
-class TiledMLPFunction(torch.autograd.Function):
-    """``y[..., s:e, :] = fn(x[..., s:e, :])`` for each tile ``[s, e)`` of the sequence.
+class _TiledFunction(torch.autograd.Function):
+    """``y[..., s:e, :], c_i = fn(x[..., s:e, :], c_{i-1})`` for each tile ``[s, e)`` of the sequence.
 
     Forward (grad disabled): each tile's output is written into one ``[..., T, N]`` buffer; no
-    tile's intermediates are kept. Backward: for each tile, the RNG state recorded before its
-    forward is restored, its forward is recomputed with grad under the forward's autocast state,
-    and ``autograd.grad`` of its slice of ``dy`` gives the tile's ``dx`` (written into one
-    ``[..., T, H]`` buffer) and its parameter gradients, summed over tiles (in fp32 for 16-bit
-    parameters, cast once). Parameters are inputs of this node, so ``autograd.grad`` of the loss
-    with respect to them, gradient hooks and accumulation behave as for the untiled MLP.
+    tile's intermediates are kept, only the carries ``c_i`` entering each tile (saved tensors, so
+    that a gradient checkpoint around the caller drops and recomputes them like any other).
+    Backward, tiles in reverse (a per-token map's in order: they are independent): the RNG state
+    recorded before tile i's forward is restored, the tile is recomputed with grad under the
+    forward's autocast state from ``x[..., s:e, :]`` and ``c_{i-1}`` (fresh leaves), and
+    ``autograd.grad`` of (its slice of ``dy``, the gradient of the carry it handed on, from tile
+    i+1) gives its ``dx`` (written into one ``[..., T, H]`` buffer), the gradient of ``c_{i-1}``
+    (handed to tile i−1) and its parameter gradients, summed over tiles (in fp32 for 16-bit
+    parameters, cast once). Parameters are inputs of this node, so
+    ``autograd.grad`` of the loss with respect to them, gradient hooks and accumulation behave as
+    for the untiled module. A per-token map carries nothing and is the case ``c_i = None``.
+    Subclasses name the op (its second-derivative error says which).
     """
 
     @staticmethod
     def forward(ctx, tiles: _Tiles, x: torch.Tensor, *params: torch.Tensor):
-        out = _run_tiles(tiles, x, record_rng=tiles.preserve_rng_state)
+        out, carries = _run_tiles(tiles, x, record_rng=tiles.preserve_rng_state)
+        flat, ctx.carry_sizes = _flatten_carries(carries)
         ctx.tiles = tiles
         ctx.params = params  # references, not saved tensors: no pack, no recompute of a parameter
-        if tiles.stash is None:
-            ctx.save_for_backward(x)
+        ctx.save_for_backward(*(() if tiles.stash is not None else (x,)), *flat)
         return out
+
+
+def _tiled_backward(ctx, grad_out):
+    """The backward of ``_TiledFunction`` (see there): tiles in reverse, carries' gradients chained."""
+    tiles = ctx.tiles
+    saved = ctx.saved_tensors
+    if tiles.stash is not None:
+        (x,) = tiles.stash.saved_tensors
+    else:
+        x, saved = saved[0], saved[1:]
+    carries = _unflatten_carries(saved, ctx.carry_sizes)
+    want_x = ctx.needs_input_grad[1]
+    wanted = [i for i, p in enumerate(ctx.params) if ctx.needs_input_grad[2 + i]]
+    dx = torch.empty_like(x) if want_x else None
+    sums: dict[int, torch.Tensor] = {}
+    handed_back = None  # the gradient of the carry the tile being recomputed hands on (tile i+1's)
+    bounds = tiles.bounds(x.shape[-2])
+    with torch.random.fork_rng(devices=tiles.rng_devices, enabled=tiles.preserve_rng_state,
+                               device_type=tiles.device_type if tiles.rng_devices else "cuda"):
+        # a scan's carries chain the tiles backwards; a per-token map's are independent (in order)
+        order = reversed(range(len(bounds))) if tiles.scan else range(len(bounds))
+        for index in order:
+            start, end = bounds[index]
+            if tiles.preserve_rng_state:
+                tiles.restore_rng(index)
+            with torch.enable_grad(), _autocast(tiles.autocast):
+                piece = x[..., start:end, :].detach().requires_grad_(want_x)
+                carry_in = _carry_leaves(carries[index])
+                y, carry_out = tiles.step(piece, carry_in, (start, end))
+            pairs = [(y, grad_out[..., start:end, :])]
+            if handed_back is not None:
+                pairs += [(c, g) for c, g in zip(carry_out, handed_back) if g is not None]
+            pairs = [(o, g) for o, g in pairs if o.requires_grad]
+            leaves = [c for c in carry_in or () if c.requires_grad]
+            inputs = ([piece] if want_x else []) + leaves + [ctx.params[i] for i in wanted]
+            grads = (torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
+                     if pairs and inputs else (None,) * len(inputs))
+            grads = list(grads)
+            if want_x:
+                g = grads.pop(0)
+                if g is None:  # the tile's output does not depend on its input
+                    dx[..., start:end, :].zero_()
+                else:
+                    dx[..., start:end, :].copy_(g)
+            carry_grads = iter(grads[:len(leaves)])
+            handed_back = None if carry_in is None else [next(carry_grads) if c.requires_grad else None
+                                                         for c in carry_in]
+            for i, g in zip(wanted, grads[len(leaves):]):
+                if g is None:
+                    continue
+                if i not in sums:
+                    sums[i] = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g.clone()
+                else:
+                    sums[i].add_(g)
+    param_grads = []
+    for i, p in enumerate(ctx.params):
+        g = sums.get(i)
+        param_grads.append(None if g is None else g.to(p.dtype))
+    return (None, dx, *param_grads)
+
+
+class TiledMLPFunction(_TiledFunction):
+    """The tiled MLP's node: ``_TiledFunction`` of a per-token map (no carry); ``tiled_mlp``."""
 
     @staticmethod
     @first_order_only
     def backward(ctx, grad_out):
-        tiles = ctx.tiles
-        (x,) = tiles.stash.saved_tensors if tiles.stash is not None else ctx.saved_tensors
-        want_x = ctx.needs_input_grad[1]
-        wanted = [i for i, p in enumerate(ctx.params) if ctx.needs_input_grad[2 + i]]
-        dx = torch.empty_like(x) if want_x else None
-        sums: dict[int, torch.Tensor] = {}
-        with torch.random.fork_rng(devices=tiles.rng_devices, enabled=tiles.preserve_rng_state,
-                                   device_type=tiles.device_type if tiles.rng_devices else "cuda"):
-            for index, (start, end) in enumerate(tiles.bounds(x.shape[-2])):
-                if tiles.preserve_rng_state:
-                    tiles.restore_rng(index)
-                with torch.enable_grad(), _autocast(tiles.autocast):
-                    piece = x[..., start:end, :].detach().requires_grad_(want_x)
-                    y = tiles.fn(piece)
-                inputs = ([piece] if want_x else []) + [ctx.params[i] for i in wanted]
-                grads = torch.autograd.grad(y, inputs, grad_out[..., start:end, :], allow_unused=True)
-                if want_x:
-                    dx[..., start:end, :].copy_(grads[0])
-                    grads = grads[1:]
-                for i, g in zip(wanted, grads):
-                    if g is None:
-                        continue
-                    if i not in sums:
-                        sums[i] = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g.clone()
-                    else:
-                        sums[i].add_(g)
-        param_grads = []
-        for i, p in enumerate(ctx.params):
-            g = sums.get(i)
-            param_grads.append(None if g is None else g.to(p.dtype))
-        return (None, dx, *param_grads)
+        return _tiled_backward(ctx, grad_out)
 
 
-def _check_tile_tokens(tile_tokens: object) -> int:
+class TiledGDNFunction(_TiledFunction):
+    """The tiled GatedDeltaNet's node: ``_TiledFunction`` of a scan step whose carry is the conv's
+    last K−1 input rows and the recurrent state; ``tiled_gated_delta_net``."""
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad_out):
+        return _tiled_backward(ctx, grad_out)
+
+
+def _check_tile_tokens(tile_tokens: object, name: str = "tile_tokens") -> int:
     if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, numbers.Integral):
-        raise TypeError(f"tile_tokens: expected a positive int (tokens per tile), got {tile_tokens!r}")
+        raise TypeError(f"{name}: expected a positive int (tokens per tile), got {tile_tokens!r}")
     if tile_tokens < 1:
-        raise ValueError(f"tile_tokens: expected a positive int (tokens per tile), got {tile_tokens}")
+        raise ValueError(f"{name}: expected a positive int (tokens per tile), got {tile_tokens}")
     return int(tile_tokens)
 
 
@@ -235,6 +338,14 @@ def _parameters_of(fn) -> list[torch.Tensor] | None:
     if isinstance(owner, torch.nn.Module):
         return [p for p in owner.parameters() if p.requires_grad]
     return None
+
+
+def _check_params(params) -> tuple:
+    params = tuple(params)
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"params[{i}]: expected a torch.Tensor, got {type(p).__name__}")
+    return params
 
 
 @opaque_to_compile  # Python callables inside an autograd Function, per-tile RNG state: eager code
@@ -289,30 +400,259 @@ def tiled_mlp(mlp_forward, x: torch.Tensor, tile_tokens: int, *, params=None,
         if params is None:
             raise TypeError("params: mlp_forward is neither a module nor holds one; pass the tensors its gradients "
                             "flow to (params=() if none)")
-    params = tuple(params)
-    for i, p in enumerate(params):
-        if not isinstance(p, torch.Tensor):
-            raise TypeError(f"params[{i}]: expected a torch.Tensor, got {type(p).__name__}")
+    params = _check_params(params)
     tiles = _Tiles(mlp_forward, tile, bool(preserve_rng_state), x.device)
     needs_graph = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
     if not needs_graph:
         with torch.no_grad():
-            return _run_tiles(tiles, x, record_rng=False)
+            return _run_tiles(tiles, x, record_rng=False)[0]
     if x.requires_grad:
         x = _StashInput.apply(x)
         tiles.stash = x.grad_fn
     return TiledMLPFunction.apply(tiles, x, *params)
 
 
+# ----------------------------------------------------------------------------------------------
+# The sequence-tiled GatedDeltaNet. Everything in a GatedDeltaNet is per token (in_proj, the
+# gates, the gated norm, out_proj) except two things that carry along the sequence: the causal
+# depthwise conv1d (window K = 4: output row t reads input rows t−K+1..t) and the delta rule's
+# recurrent state S [B, Hv, dk, dv] (fp32). A tile [s, e) is exact given both: the conv's last
+# K−1 *input* rows before s and S at s. Those are the carry of the scan; everything else is the
+# module's own pieces (its projections as patched, its conv function, its core, its norm).
+# ----------------------------------------------------------------------------------------------
+#: The keyword arguments under which transformers hands a GatedDeltaNet a cache (by version).
+_CACHE_ARGUMENTS = ("cache", "cache_params", "past_key_values")
+#: ... and packed sequences' boundaries (flash-attention's kwargs; fla's and causal-conv1d's names).
+_PACKING_ARGUMENTS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")
+
+
+def _is_gated_delta_net(module: torch.nn.Module) -> bool:
+    from .patch import _is_gated_delta_net as is_gdn
+
+    return is_gdn(module)
+
+
+def _modeling_module(gdn: torch.nn.Module):
+    return sys.modules[type(gdn).__module__]
+
+
+def _conv_function(gdn: torch.nn.Module):
+    """The causal conv1d the GatedDeltaNet's own forward calls, by transformers' convention
+    ``fn(x [B, C, T], weight [C, K], bias, activation=..., **kwargs)``: q35lab's when patched
+    (``conv=True``), else the layer's attribute (transformers < 5.17) or its modeling module's
+    function (the causal-conv1d package's, or transformers' PyTorch one). None if there is none."""
+    from .patch import _CONV, _CausalConv, _marked
+
+    if _marked(gdn, _CONV) is not None:
+        return _CausalConv()
+    attribute = vars(gdn).get("causal_conv1d_fn")
+    if callable(attribute):
+        return attribute
+    function = getattr(_modeling_module(gdn), "causal_conv1d_fn", None)
+    return function if callable(function) else None
+
+
+def _core_function(gdn: torch.nn.Module):
+    """The chunked delta-rule core the GatedDeltaNet's own forward calls: the layer's attribute
+    (transformers < 5.17), else its modeling module's ``torch_chunk_gated_delta_rule`` — fla's
+    ``chunk_gated_delta_rule`` when flash-linear-attention is installed, transformers' PyTorch one
+    otherwise (looked up at each call, as the forward does: a timer wrapping it sees the tiles)."""
+    attribute = vars(gdn).get("chunk_gated_delta_rule")
+    if callable(attribute):
+        return attribute
+    function = getattr(_modeling_module(gdn), "torch_chunk_gated_delta_rule", None)
+    return function if callable(function) else None
+
+
+@functools.cache
+def _forward_repeats_key_heads(cls: type) -> bool:
+    """Whether ``cls.forward`` repeats q and k to the value heads itself (transformers 5.17) rather
+    than leaving it to the core (5.2x: its PyTorch core and fla's take fewer key heads). Read from
+    the source; where there is none, repeat (exact for every core, only less frugal)."""
+    try:
+        source = inspect.getsource(inspect.unwrap(cls.forward))
+    except (OSError, TypeError):
+        return True
+    return "repeat_interleave" in source
+
+
+def gated_delta_net_problem(gdn: torch.nn.Module) -> str | None:
+    """Why ``tiled_gated_delta_net`` cannot compute this module, or None if it can."""
+    if not _is_gated_delta_net(gdn):
+        return f"{type(gdn).__name__} is not a transformers GatedDeltaNet"
+    if _conv_function(gdn) is None:
+        return "no causal_conv1d_fn in this transformers version (the layer's own conv module is not tiled)"
+    if _core_function(gdn) is None:
+        return "no chunk_gated_delta_rule in this transformers version"
+    return None
+
+
+class _GatedDeltaNetTile:
+    """One tile of a GatedDeltaNet's forward: ``(y, (conv rows, S)) = tile(x, (conv rows, S), span)``.
+
+    What transformers' ``Qwen3_5GatedDeltaNet.forward`` computes (5.17 and 5.2x, without a cache),
+    on the tile's rows, with the module's own pieces::
+
+        x            = x · mask[s:e]                          (padding rows zeroed; if a mask is given)
+        qkv, z, b, a = in_proj_qkv(x), in_proj_z(x), in_proj_b(x), in_proj_a(x)   (one fused node, patched)
+        rows         = [conv rows | qkv]                     (the previous tile's last K−1 qkv rows)
+        q, k, v      = split(conv1d(rows)[drop the first len(conv rows)])        (silu; q35lab's when patched)
+        beta, g      = sigmoid(b), −exp(A_log) · softplus(a + dt_bias)           (fp32 g)
+        o, S'        = core(q, k, v, g, beta, initial_state=S, output_final_state=True,
+                            use_qk_l2norm_in_kernel=True)    (q, k repeated to Hv heads where the forward does)
+        y            = out_proj(norm(o, z))
+
+    and hands on ``(last K−1 rows of [conv rows | qkv], S')``. The first tile has no carry (the
+    conv pads with zeros, S starts at zero: the module's own start). A tile shorter than K−1 hands
+    on rows of earlier tiles too, so the conv of every tile sees exactly the rows it would see
+    untiled. The carry is the conv's *input*, not x: the in_proj runs once per row, so LoRA dropout
+    draws one mask per row as in the untiled module.
+    """
+
+    def __init__(self, gdn: torch.nn.Module, attention_mask: torch.Tensor | None, kwargs: dict):
+        self.gdn, self.mask, self.kwargs = gdn, attention_mask, kwargs
+        # resolved once a call: the forward's tiles and their recompute in backward use the same
+        self.conv, self.core = _conv_function(gdn), _core_function(gdn)
+        self.repeat = _forward_repeats_key_heads(type(gdn))
+        self.apply_mask = getattr(_modeling_module(gdn), "apply_mask_to_padding_states", _apply_mask_to_padding_states)
+        self.core_kwargs = {k: v for k, v in kwargs.items() if k != "cu_seq_lens_q"}  # as the forward pops it
+
+    def __call__(self, x: torch.Tensor, carry, span: tuple[int, int]):
+        gdn = self.gdn
+        start, end = span
+        if self.mask is not None:
+            x = self.apply_mask(x, self.mask[:, start:end])
+        batch, tokens, _ = x.shape
+        qkv = gdn.in_proj_qkv(x)
+        z = gdn.in_proj_z(x)
+        b = gdn.in_proj_b(x)
+        a = gdn.in_proj_a(x)
+        previous, state = (None, None) if carry is None else carry
+        rows = qkv if previous is None else torch.cat([previous.to(qkv.dtype), qkv], dim=1)
+        mixed = self.conv(rows.transpose(1, 2), gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias,
+                          activation=gdn.activation, **self.kwargs)
+        mixed = mixed.transpose(1, 2)[:, rows.shape[1] - tokens:]
+        query, key, value = torch.split(mixed, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
+        query = query.reshape(batch, tokens, -1, gdn.head_k_dim)
+        key = key.reshape(batch, tokens, -1, gdn.head_k_dim)
+        value = value.reshape(batch, tokens, -1, gdn.head_v_dim)
+        beta = b.sigmoid()
+        g = -gdn.A_log.float().exp() * torch.nn.functional.softplus(a.float() + gdn.dt_bias)
+        group = gdn.num_v_heads // gdn.num_k_heads
+        if self.repeat and group > 1:
+            query = query.repeat_interleave(group, dim=2)
+            key = key.repeat_interleave(group, dim=2)
+        out, state = self.core(query, key, value, g=g, beta=beta, initial_state=state, output_final_state=True,
+                               use_qk_l2norm_in_kernel=True, cu_seqlens=None, **self.core_kwargs)
+        out = gdn.norm(out.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))
+        y = gdn.out_proj(out.reshape(batch, tokens, -1))
+        keep = min(gdn.conv_kernel_size - 1, rows.shape[1])
+        # a copy: a view would keep the whole tile's rows alive until the backward
+        return y, (rows[:, rows.shape[1] - keep:].clone(), state)
+
+
+def _apply_mask_to_padding_states(hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """transformers' ``apply_mask_to_padding_states`` (for a modeling module without one)."""
+    return (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+
+
+def _packed(kwargs: dict) -> str | None:
+    return next((name for name in _PACKING_ARGUMENTS if kwargs.get(name) is not None), None)
+
+
+@opaque_to_compile  # Python callables inside an autograd Function, per-tile RNG state: eager code
+def tiled_gated_delta_net(gdn: torch.nn.Module, x: torch.Tensor, tile_tokens: int, *,
+                          attention_mask: torch.Tensor | None = None, preserve_rng_state: bool = True,
+                          **kwargs) -> torch.Tensor:
+    """A GatedDeltaNet's forward ``gdn(x, attention_mask=...)`` computed ``tile_tokens`` positions
+    of the sequence at a time: exactly the module's function (not an approximation), with the
+    backward's working set of one tile instead of the sequence's.
+
+    ``gdn``: transformers' ``Qwen3_5GatedDeltaNet`` (or the MoE one), as it is or patched by
+    q35lab (its fused in_proj, causal conv and gated norm are what each tile calls), with PEFT
+    LoRA adapters or without; ``x``: its input ``[B, T, H]``; ``attention_mask``: the 2-D padding
+    mask the model hands it (rows zeroed token by token, as the module does); ``kwargs``: the rest
+    of the layer's keyword arguments, passed to the conv and the core as the module passes them.
+    Packed sequences (``cu_seq_lens_q``) are refused (``ValueError``): their boundaries do not
+    line up with tiles; ``TiledGDNForward`` runs such calls untiled.
+
+    Each tile is ``_GatedDeltaNetTile``: the per-token parts on the tile's rows; the conv over the
+    previous tile's last K−1 conv-input rows followed by the tile's (K = 4); the delta-rule core
+    from the previous tile's final state S (``initial_state``, ``output_final_state=True``:
+    transformers' PyTorch core and fla's ``chunk_gated_delta_rule`` take both, and fla's backward
+    takes the final state's gradient ``dht`` and returns the initial state's — read from fla's code,
+    to be confirmed on the GPU). Forward: tiles in order without grad, keeping only the
+    carry into each tile — K−1 conv rows ([B, 3, 8192] bf16, 48 KiB) and S ([B, 32, 128, 128]
+    fp32, 2 MiB, at 9B) — and the caller's ``x``. Backward (``TiledGDNFunction``): tiles in
+    reverse, each recomputed with grad from its rows of ``x`` and its carry (leaves), backpropagated
+    from (its ``dy``, the next tile's gradient of the carry) to ``dx``, the previous carry's
+    gradient and every trainable parameter's (LoRA adapters, and A_log, dt_bias, the conv or the
+    norm if they train).
+
+    Memory (9B, bf16, per token): untiled, the GatedDeltaNet's backward holds ~181 KiB a token of
+    its own (the in_proj output, z, the core's q, k, v, the WY matrix, its recomputed w, u and h,
+    dh, dq, dk, dv, the norm's input and output, ...; 221 KiB with the checkpoints and residual
+    gradients, ``bytes_per_token``). Tiled, the sequence holds ``x`` and ``dx`` (2H·e = 16 KiB a
+    token) and the carries (2 MiB + 48 KiB a tile: 262 B a token at 8192-token tiles); the rest
+    exists for one tile at a time.
+
+    Passes: without outer checkpointing, each tile's forward runs twice (forward, and recompute in
+    backward) and its backward once. Under the decoder layer's non-reentrant checkpoint, three
+    times: the checkpoint's recompute needs the GatedDeltaNet's output to rebuild what the layer's
+    later ops save (the post-attention norm's input, the MLP's input), and only a tile forward
+    gives it — avoiding that pass would take keeping a [T, H] output per layer, which is what the
+    checkpoint exists to drop. That is one GatedDeltaNet forward more than the untiled layer
+    (8–10% of a GatedDeltaNet layer's step at 9B by GEMM FLOPs; the tiled MLP after it keeps its
+    early stop).
+
+    Dropout, autocast, RNG, frozen or trainable parameters, ``retain_graph`` and the second
+    derivative's error: as ``tiled_mlp``. With dropout the masks are the tile's own draws, not
+    the untiled module's (as with any change of batch shape), replayed exactly in backward.
+    ``tile_tokens`` ≥ T: one tile, the module's math with grad, no recompute. Nothing requiring
+    grad: tile by tile without grad (a long prefill without a cache in less memory).
+    """
+    if not isinstance(gdn, torch.nn.Module) or not _is_gated_delta_net(gdn):
+        raise TypeError(f"gdn: expected a transformers GatedDeltaNet module, got {type(gdn).__name__}")
+    problem = gated_delta_net_problem(gdn)
+    if problem:
+        raise TypeError(f"gdn: cannot be tiled: {problem}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 3 or x.shape[-1] != gdn.hidden_size:
+        raise ValueError(f"x: expected [B, T, {gdn.hidden_size}] (the GatedDeltaNet's input), got shape {tuple(x.shape)}")
+    tile = _check_tile_tokens(tile_tokens)
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
+                                       or tuple(attention_mask.shape) != tuple(x.shape[:2])):
+        got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        raise ValueError(f"attention_mask: expected a 2-D padding mask of shape {tuple(x.shape[:2])} or None, got {got}")
+    packed = _packed(kwargs)
+    if packed:
+        raise ValueError(f"{packed}: packed sequences are not tiled (their boundaries do not line up with tiles); "
+                         "call the GatedDeltaNet untiled")
+    step = _GatedDeltaNetTile(gdn, attention_mask, kwargs)
+    tokens = x.shape[1]
+    if tile >= tokens or tokens == 0:
+        return step(x, None, (0, tokens))[0]
+    params = tuple(p for p in gdn.parameters() if p.requires_grad)
+    tiles = _Tiles(step, tile, bool(preserve_rng_state), x.device, scan=True, name="GatedDeltaNet tile")
+    if not (torch.is_grad_enabled() and (x.requires_grad or params)):
+        with torch.no_grad():
+            return _run_tiles(tiles, x, record_rng=False)[0]
+    return TiledGDNFunction.apply(tiles, x, *params)
+
+
+# ----------------------------------------------------------------------------------------------
+# The instance-level forwards that tile a module, and putting them on (and off) a model.
+# ----------------------------------------------------------------------------------------------
 #: Modules whose forward is a per-token MLP that ``tile_mlps`` tiles (transformers' classes).
 MLP_CLASSES = ("Qwen3_5MLP", "Qwen3_5MoeMLP")
 
 
-class TiledMLPForward:
-    """An MLP's instance-level forward that tiles the forward it replaced (q35lab's patched one,
-    or the class's own). An object holding its module, as q35lab's other forwards (see
-    ``q35lab.patch._Forward``): ``copy.deepcopy`` binds the copy to the copied module, ``pickle``
-    stores it by class. Calls with extra arguments go to the wrapped forward untiled."""
+class _TiledForward:
+    """A module's instance-level forward that tiles the forward it replaced (q35lab's patched one,
+    or the class's own), which it calls for what it does not tile. An object holding its module,
+    as q35lab's other forwards (see ``q35lab.patch._Forward``): ``copy.deepcopy`` binds the copy
+    to the copied module, ``pickle`` stores it by class."""
 
     __name__ = "forward"
 
@@ -326,12 +666,16 @@ class TiledMLPForward:
         return type(self.module).forward.__get__(self.module)
 
     def __repr__(self) -> str:
-        return f"<q35lab TiledMLPForward of {type(self.module).__name__}, {self.tile_tokens} tokens a tile>"
+        return f"<q35lab {type(self).__name__} of {type(self.module).__name__}, {self.tile_tokens} tokens a tile>"
 
-    def untiled(self, x, *args, **kwargs):
+    def untiled(self, *args, **kwargs):
         if self.inner is not None:
-            return self.inner(x, *args, **kwargs)
-        return type(self.module).forward(self.module, x, *args, **kwargs)
+            return self.inner(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+
+class TiledMLPForward(_TiledForward):
+    """An MLP's forward through ``tiled_mlp``; calls with extra arguments go to the wrapped forward untiled."""
 
     def __call__(self, x, *args, **kwargs):
         if args or kwargs or not isinstance(x, torch.Tensor) or x.dim() < 2:
@@ -340,29 +684,78 @@ class TiledMLPForward:
         return tiled_mlp(self.untiled, x, self.tile_tokens, params=params)
 
 
+class TiledGDNForward(_TiledForward):
+    """A GatedDeltaNet's forward through ``tiled_gated_delta_net`` when it trains on more than a tile.
+
+    Untiled (the wrapped forward, as the module computes it): no grad needed (eval, generation),
+    ``T`` ≤ the tile, a call other than transformers' keyword one; and, with a warning (the memory
+    the tiling would save is then spent), a cache (generation's prefill; a training forward
+    without gradient checkpointing gets one unless ``use_cache=False``) or packed sequences
+    (``cu_seq_lens_q``), whose state tiles cannot carry. Also untiled: a conv1d under accelerate's
+    offload hooks (the tiles read its weight directly)."""
+
+    def __call__(self, *args, **kwargs):
+        x = args[0] if args else kwargs.get("hidden_states")
+        if self._untiled_because(x, args, kwargs):
+            return self.untiled(*args, **kwargs)
+        rest = {k: v for k, v in kwargs.items() if k not in ("hidden_states", "attention_mask", *_CACHE_ARGUMENTS)}
+        return tiled_gated_delta_net(self.module, x, self.tile_tokens, attention_mask=kwargs.get("attention_mask"),
+                                     **rest)
+
+    def _untiled_because(self, x, args: tuple, kwargs: dict) -> str | None:
+        if len(args) > 1 or not isinstance(x, torch.Tensor) or x.dim() != 3:
+            return "a call tiled_gated_delta_net does not take"
+        if x.shape[1] <= self.tile_tokens:
+            return "one tile"
+        if not torch.is_grad_enabled() or not (x.requires_grad or any(p.requires_grad for p in self.module.parameters())):
+            return "no grad"
+        if getattr(self.module.conv1d, "_hf_hook", None) is not None:
+            return "accelerate hooks"
+        why = None
+        if any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS):
+            why = ("a cache was passed (generation, or use_cache=True in a forward without gradient checkpointing: "
+                   "pass use_cache=False)")
+        elif _packed(kwargs):
+            why = f"packed sequences ({_packed(kwargs)}) do not line up with tiles"
+        if why:
+            warnings.warn(f"q35lab: tiled GatedDeltaNet ({self.tile_tokens} tokens a tile) runs untiled here: {why}; "
+                          "its backward then holds the whole sequence's working set", stacklevel=3)
+        return why
+
+
+def _tile(module: torch.nn.Module, tile_tokens: int, forward_class: type) -> bool:
+    """Give ``module`` a ``forward_class`` around its current forward; True if it had none (an
+    existing one just takes the new tile size)."""
+    tile_tokens = _check_tile_tokens(tile_tokens)
+    current = vars(module).get("forward")
+    if isinstance(current, forward_class):
+        current.tile_tokens = tile_tokens
+        return False
+    module.forward = forward_class(module, tile_tokens, inner=current)
+    return True
+
+
+def _untile(module: torch.nn.Module, forward_class: type) -> bool:
+    current = vars(module).get("forward")
+    if not isinstance(current, forward_class):
+        return False
+    if current.inner is None:
+        del module.forward
+    else:
+        module.forward = current.inner
+    return True
+
+
 def tile_mlp(mlp: torch.nn.Module, tile_tokens: int) -> bool:
     """Give ``mlp`` a ``TiledMLPForward`` around its current forward; True if it had none (an
     existing one just takes the new tile size). Call after any patch that sets the MLP's forward
     (``apply_to_qwen3_5``'s swiglu), and ``untile_mlp`` before undoing that patch."""
-    tile_tokens = _check_tile_tokens(tile_tokens)
-    current = vars(mlp).get("forward")
-    if isinstance(current, TiledMLPForward):
-        current.tile_tokens = tile_tokens
-        return False
-    mlp.forward = TiledMLPForward(mlp, tile_tokens, inner=current)
-    return True
+    return _tile(mlp, tile_tokens, TiledMLPForward)
 
 
 def untile_mlp(mlp: torch.nn.Module) -> bool:
     """Put back the forward ``tile_mlp`` wrapped; True if there was a tiled one."""
-    current = vars(mlp).get("forward")
-    if not isinstance(current, TiledMLPForward):
-        return False
-    if current.inner is None:
-        del mlp.forward
-    else:
-        mlp.forward = current.inner
-    return True
+    return _untile(mlp, TiledMLPForward)
 
 
 def _is_mlp(module: torch.nn.Module) -> bool:
@@ -377,6 +770,32 @@ def tile_mlps(model: torch.nn.Module, tile_tokens: int) -> int:
 
 def untile_mlps(model: torch.nn.Module) -> int:
     return sum(untile_mlp(m) for m in model.modules() if _is_mlp(m))
+
+
+def tile_gated_delta_net(gdn: torch.nn.Module, tile_tokens: int) -> bool:
+    """Give a GatedDeltaNet a ``TiledGDNForward`` around its current forward; True if it had none
+    (an existing one just takes the new tile size). Call after any patch that sets its forward
+    (``apply_to_qwen3_5``'s conv), and ``untile_gated_delta_net`` before undoing that patch.
+    ``TypeError`` (naming ``gdn``) for a module ``gated_delta_net_problem`` says cannot be tiled."""
+    problem = gated_delta_net_problem(gdn)
+    if problem:
+        raise TypeError(f"gdn: cannot be tiled: {problem}")
+    return _tile(gdn, tile_tokens, TiledGDNForward)
+
+
+def untile_gated_delta_net(gdn: torch.nn.Module) -> bool:
+    """Put back the forward ``tile_gated_delta_net`` wrapped; True if there was a tiled one."""
+    return _untile(gdn, TiledGDNForward)
+
+
+def tile_gated_delta_nets(model: torch.nn.Module, tile_tokens: int) -> int:
+    """``tile_gated_delta_net`` on every GatedDeltaNet of ``model`` that can be tiled; how many were new."""
+    return sum(tile_gated_delta_net(m, tile_tokens) for m in model.modules()
+               if _is_gated_delta_net(m) and gated_delta_net_problem(m) is None)
+
+
+def untile_gated_delta_nets(model: torch.nn.Module) -> int:
+    return sum(untile_gated_delta_net(m) for m in model.modules() if _is_gated_delta_net(m))
 
 
 # ==============================================================================================
@@ -883,28 +1302,10 @@ def lora_parameter_count(config, rank: int = 16, targets: str | tuple = "all-lin
     return total
 
 
-def _phase_terms(d: _Dims, e: int, r: int, tiled: bool) -> dict[str, dict[str, float]]:
-    """Per-token bytes of each phase of one layer's backward (checkpoints and residual excluded).
-
-    Counted from the code that runs on the GPU: q35lab's patched modules (fused in_proj and
-    gate/up, SwiGLU, norms, conv, LoRA saving ``x·Aᵀ`` of r values), fla's
-    ``chunk_gated_delta_rule`` (saves l2-normed q, k with their rstd, v, g, beta and the WY
-    matrix A of 64 values per token and value head; its backward recomputes w, u, the chunk
-    states h and makes dh, dv, dw, dq, dk) and SDPA's flash backend (saves q, k, v, out, lse; a
-    fp32 dq accumulator in backward). fla's and SDPA's terms are read from their code, not
-    measured: the GPU measurement closes them.
-    """
-    H, I, Hv, dk, dv, vd = d.H, d.I, d.Hv, d.dk, d.dv, d.value_dim
-    q = d.nq * d.hd
-    kv = d.nkv * d.hd
-    norm = {"post-attention norm: input + fp32 rstd": H * e + 4, "input norm: fp32 rstd": 4}
-    if tiled:
-        mlp = {"MLP: input (saved once by the tiling)": H * e, "MLP: dx of the whole sequence": H * e}
-    else:
-        mlp = {"MLP: input (saved by gate/up)": H * e, "MLP: gate/up output [2I]": 2 * I * e,
-               "MLP: SwiGLU output [I] (saved by down)": I * e, "MLP: LoRA x·Aᵀ (3 adapters)": 3 * r * e,
-               "MLP backward: dh [I]": I * e}
-    gdn_saved = {
+def _gdn_terms(d: _Dims, e: int, r: int) -> tuple[dict, dict]:
+    """The untiled GatedDeltaNet's per-token bytes: what its forward saves, what its backward adds."""
+    H, Hv, dk, dv, vd = d.H, d.Hv, d.dk, d.dv, d.value_dim
+    saved = {
         "GDN: input (saved by in_proj)": H * e,
         "GDN: in_proj output, one buffer [qkv|z|b|a]": (d.conv_dim + vd + 2 * Hv) * e,
         "GDN: z, contiguous copy (gated-norm gate)": vd * e,
@@ -916,13 +1317,53 @@ def _phase_terms(d: _Dims, e: int, r: int, tiled: bool) -> dict[str, dict[str, f
         "GDN: gated-norm output (saved by out_proj)": vd * e,
         "GDN: LoRA x·Aᵀ (5 adapters)": 5 * r * e,
     }
-    gdn_bwd = {
+    backward = {
         "GDN backward: d(out), dz from the gated norm": 2 * vd * e,
         "GDN core backward: w, u, v_new (recomputed)": (Hv * dk + 2 * Hv * dv) * e,
         "GDN core backward: h, dh (chunk states, per 64 tokens)": 2 * Hv * dk * dv * e / 64,
         "GDN core backward: dv, dw": (Hv * dv + Hv * dk) * e,
         "GDN core backward: dq, dk (per value head)": 2 * Hv * dk * e,
     }
+    return saved, backward
+
+
+def _gdn_carry_bytes(d: _Dims, e: int) -> int:
+    """One tile's carry in the tiled GatedDeltaNet: the recurrent state S [Hv, dk, dv] in fp32 and
+    the conv's last K−1 input rows [K−1, conv_dim] (a batch row's)."""
+    return 4 * d.Hv * d.dk * d.dv + (d.conv_kernel - 1) * d.conv_dim * e
+
+
+def _phase_terms(d: _Dims, e: int, r: int, tiled: bool, gdn_tile: int | None = None) -> dict[str, dict[str, float]]:
+    """Per-token bytes of each phase of one layer's backward (checkpoints and residual excluded).
+
+    Counted from the code that runs on the GPU: q35lab's patched modules (fused in_proj and
+    gate/up, SwiGLU, norms, conv, LoRA saving ``x·Aᵀ`` of r values), fla's
+    ``chunk_gated_delta_rule`` (saves l2-normed q, k with their rstd, v, g, beta and the WY
+    matrix A of 64 values per token and value head; its backward recomputes w, u, the chunk
+    states h and makes dh, dv, dw, dq, dk) and SDPA's flash backend (saves q, k, v, out, lse; a
+    fp32 dq accumulator in backward). fla's and SDPA's terms are read from their code, not
+    measured: the GPU measurement closes them.
+
+    ``tiled``: the MLP is tiled (its input and dx remain per token). ``gdn_tile``: the
+    GatedDeltaNet is tiled at this many tokens: of its terms only its input, its dx and the
+    carries into each tile (``_gdn_carry_bytes`` a tile) remain per token; the rest is one tile's
+    (``bytes_per_token`` counts it as fixed).
+    """
+    H, I = d.H, d.I
+    q = d.nq * d.hd
+    kv = d.nkv * d.hd
+    norm = {"post-attention norm: input + fp32 rstd": H * e + 4, "input norm: fp32 rstd": 4}
+    if tiled:
+        mlp = {"MLP: input (saved once by the tiling)": H * e, "MLP: dx of the whole sequence": H * e}
+    else:
+        mlp = {"MLP: input (saved by gate/up)": H * e, "MLP: gate/up output [2I]": 2 * I * e,
+               "MLP: SwiGLU output [I] (saved by down)": I * e, "MLP: LoRA x·Aᵀ (3 adapters)": 3 * r * e,
+               "MLP backward: dh [I]": I * e}
+    gdn_saved, gdn_bwd = _gdn_terms(d, e, r)
+    if gdn_tile is not None:  # what the layer's recompute rebuilds before the MLP's backward, and then the GDN's
+        gdn_saved = {"GDN: input (saved once by the tiling)": H * e,
+                     "GDN: carries into each tile (fp32 state, K−1 conv rows)": _gdn_carry_bytes(d, e) / gdn_tile}
+        gdn_bwd = {"GDN: dx of the whole sequence": H * e}
     attn_saved = {
         "attention: input (saved by q/k/v)": H * e,
         "attention: q-norm input (contiguous copy)": q * e,
@@ -994,7 +1435,8 @@ class MemoryModel:
         return "\n".join(rows)
 
 
-def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, offload: float | int | bool = False,
+def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_tokens: int | None = None,
+                    offload: float | int | bool = False,
                     lora_rank: int = 16, dtype_bytes: int = 2, weight_bytes: int | None = None,
                     adapter_bytes: int = 4, batch: int = 1, loss_chunk_bytes: int | None = None,
                     slack_bytes: float = 2 * GiB) -> MemoryModel:
@@ -1010,15 +1452,19 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, offload: flo
     * ``token ids, labels, positions, RoPE``: 8 + 8 + 32 + 2·rotary·e;
     * one layer's backward working set, the largest phase of ``_phase_terms``: the MLP's backward
       (the mixer's saved tensors are alive then, the whole layer having been recomputed), the
-      GatedDeltaNet's or the attention's backward;
+      GatedDeltaNet's or the attention's backward; tiled, the MLP's or the GatedDeltaNet's keeps
+      only its input and its dx per token (2·H·e), and the GatedDeltaNet its carries (the fp32
+      state and K−1 conv rows, 2.05 MiB a tile at 9B: 262 B a token at 8192-token tiles);
     * the loss phase (end of forward: every checkpoint, the final norm's input, its output and the
       fused loss's dx, 3·H·e) is compared too; it is never the largest here.
 
     Constant: the weights (``parameter_count``·weight_bytes), the LoRA adapters with their
     gradients and AdamW's two fp32 moments (``lora_parameter_count``·(2·adapter_bytes + 8)), the
-    fused loss's logits chunk, one MLP tile's working set when tiled (tile·(H + 4I)·e), and
-    ``slack_bytes`` (cuBLAS workspaces, allocator rounding). ``offload``: True (every layer), a
-    fraction or a count of layers; host memory then holds k·H·e per token.
+    fused loss's logits chunk, one MLP tile's working set when tiled (tile·(H + 4I)·e), one
+    GatedDeltaNet tile's when tiled (tile · its untiled per-token terms, saved and backward, plus
+    two carries: the one it hands on and its gradient), and ``slack_bytes`` (cuBLAS workspaces,
+    allocator rounding). ``offload``: True (every layer), a fraction or a count of layers; host
+    memory then holds k·H·e per token.
     """
     d = _dims(config)
     e, r = int(dtype_bytes), int(lora_rank)
@@ -1039,8 +1485,9 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, offload: flo
         "residual-stream gradients": 3 * d.H * e,
         "token ids, labels, positions, RoPE": 8 + 8 + 32 + 2 * d.rotary * e,
     }
+    gdn_tile = None if tiled_gdn_tokens is None else _check_tile_tokens(tiled_gdn_tokens, "tiled_gdn_tokens")
     phases = {name: {**common, **terms} for name, terms in
-              _phase_terms(d, e, r, tiled=tiled_mlp_tokens is not None).items()}
+              _phase_terms(d, e, r, tiled=tiled_mlp_tokens is not None, gdn_tile=gdn_tile).items()}
     phases["loss (end of forward)"] = {
         f"checkpoint inputs ({d.L - k} of {d.L} layers on the GPU)": (d.L - k) * d.H * e,
         "final norm: input, output": 2 * d.H * e,
@@ -1059,7 +1506,12 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, offload: flo
         "slack: workspaces, allocator rounding": slack_bytes,
     }
     if tiled_mlp_tokens is not None:
-        fixed["MLP: one tile's working set"] = _check_tile_tokens(tiled_mlp_tokens) * batch * (d.H + 4 * d.I) * e
+        fixed["MLP: one tile's working set"] = (_check_tile_tokens(tiled_mlp_tokens, "tiled_mlp_tokens") * batch
+                                                * (d.H + 4 * d.I) * e)
+    if gdn_tile is not None and "linear_attention" in d.layer_types:
+        saved, backward = _gdn_terms(d, e, r)
+        fixed["GatedDeltaNet: one tile's working set"] = batch * (
+            gdn_tile * (sum(saved.values()) + sum(backward.values())) + 2 * _gdn_carry_bytes(d, e))
     terms = {name: value * batch for name, value in phases[phase].items()}
     return MemoryModel(terms=terms, phase=phase, phases={n: t * batch for n, t in totals.items()}, fixed=fixed,
                        host_per_token=k * d.H * e * batch, offloaded_layers=k, layers=d.L)

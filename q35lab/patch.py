@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import numbers
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -846,6 +847,7 @@ def apply_to_qwen3_5(
     conv: bool = True,
     swiglu: bool = True,
     tiled_mlp: int | None = None,
+    tiled_gdn: int | None = None,
     offload_checkpoints: float | int = 0,
 ) -> PatchReport:
     """Replace Qwen3.5's modules by q35lab's kernels, in place; returns what was done.
@@ -863,9 +865,11 @@ def apply_to_qwen3_5(
 
     Long context (off by default): ``tiled_mlp=N`` computes every MLP in tiles of N tokens,
     recomputed per tile in backward (a tile's intermediates instead of the sequence's);
-    ``offload_checkpoints`` (a fraction of the decoder layers, or a count) keeps their
-    gradient-checkpoint inputs in pinned host memory between forward and backward
-    (``q35lab.long_context`` sizes and explains both).
+    ``tiled_gdn=N`` does the same for every GatedDeltaNet that trains on more than N tokens, the
+    conv's last rows and the recurrent state carried from tile to tile (exact; calls with a cache
+    or packed sequences run untiled, with a warning); ``offload_checkpoints`` (a fraction of the
+    decoder layers, or a count) keeps their gradient-checkpoint inputs in pinned host memory
+    between forward and backward (``q35lab.long_context`` sizes and explains all three).
 
     With PEFT, patch the wrapped model (after ``get_peft_model``). LoRA layers added after a
     patch run PEFT's own forward until ``apply_to_qwen3_5`` is called again; the report of a
@@ -877,6 +881,7 @@ def apply_to_qwen3_5(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     _refuse_sharded(model, "apply_to_qwen3_5")
+    tiled_mlp, tiled_gdn = _tile_option("tiled_mlp", tiled_mlp), _tile_option("tiled_gdn", tiled_gdn)
     enabled = {"rms_norm": rms_norm, "gated_norm": gated_norm, "lora": lora, "in_proj": in_proj, "flce": flce,
                "conv": conv, "swiglu": swiglu}
     report = PatchReport(qwen3_5=any(map(_is_qwen3_5_module, model.modules())))
@@ -892,6 +897,8 @@ def apply_to_qwen3_5(
             _fuse_in_proj(module, report)
         if conv and _is_gated_delta_net(module):
             _patch_conv(module, report)
+        if tiled_gdn and _is_gated_delta_net(module):  # wraps the conv's forward, and calls the fused in_proj
+            _tile_gdn(module, tiled_gdn, report)
         if swiglu and _is_swiglu_mlp(module):
             _patch_mlp(module, report)
         if tiled_mlp and _is_swiglu_mlp(module) and long_context.tile_mlp(module, tiled_mlp):  # wraps the above
@@ -919,7 +926,30 @@ def apply_to_qwen3_5(
         offloader = long_context.offload_decoder_layers(model, offload_checkpoints)
         report.replaced[f"decoder-layer checkpoints offloaded to host memory ({offloader.layers} layers)"] += 1
     _record_what_runs(model, report)
+    if tiled_gdn and any(isinstance(vars(m).get("forward"), long_context.TiledGDNForward) for m in model.modules()):
+        report.runs["tiled GatedDeltaNet"] = (
+            f"tiles of {tiled_gdn} tokens when a GatedDeltaNet trains on more; untiled without grad (eval, "
+            "generation) and, with a warning, given a cache (use_cache=False without gradient checkpointing) or "
+            "packed sequences (cu_seq_lens_q: their boundaries do not line up with tiles)")
     return report
+
+
+def _tile_option(name: str, value) -> int | None:
+    """A long-context tile size: None (or False, or 0) for off, else a positive int."""
+    if value is None or value is False or (isinstance(value, numbers.Integral) and not isinstance(value, bool)
+                                           and value == 0):
+        return None
+    return long_context._check_tile_tokens(value, name)
+
+
+def _tile_gdn(gdn: torch.nn.Module, tile_tokens: int, report: "PatchReport") -> None:
+    problem = long_context.gated_delta_net_problem(gdn)
+    if problem:
+        report.left_alone[f"{type(gdn).__name__} (tiled): {problem}"] += 1
+    elif long_context.tile_gated_delta_net(gdn, tile_tokens):
+        report.replaced[f"{type(gdn).__name__} (tiled, {tile_tokens} tokens a tile)"] += 1
+    else:
+        report.already_patched += 1
 
 
 def revert(model: torch.nn.Module) -> PatchReport:
@@ -935,6 +965,8 @@ def revert(model: torch.nn.Module) -> PatchReport:
         if long_context.untile_mlp(module):
             report.reverted[f"{type(module).__name__} (tiled)"] += 1
         _unpatch_mlp(module, report)
+        if long_context.untile_gated_delta_net(module):  # before the conv: it wraps the conv's forward
+            report.reverted[f"{type(module).__name__} (tiled)"] += 1
         _unpatch_conv(module, report)
     for parent, name, child in _named_children_everywhere(model):
         _unroute_lora(child, report)

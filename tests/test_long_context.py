@@ -1,10 +1,13 @@
-"""Long-context pieces (q35lab.long_context): the sequence-tiled MLP, offloaded checkpoint inputs,
-and the memory-per-token model — on tiny Qwen3.5 models with PEFT LoRA, on the CPU."""
+"""Long-context pieces (q35lab.long_context): the sequence-tiled MLP and GatedDeltaNet, offloaded
+checkpoint inputs, and the memory-per-token model — on tiny Qwen3.5 models with PEFT LoRA, on the CPU."""
 
 import copy
+import functools
+import inspect
 import io
 import math
 import pickle
+import sys
 
 import peft
 import pytest
@@ -571,3 +574,301 @@ def test_apply_to_qwen3_5_long_context_options_same_loss_and_gradients_and_rever
     reverted = q35lab.revert(long)
     assert reverted.reverted["Qwen3_5MLP (tiled)"] == 2 and reverted.reverted["decoder-layer checkpoint offload"] == 1
     assert not any(type(vars(m).get("forward")).__module__ == "q35lab.long_context" for m in long.modules())
+
+
+# ----------------------------------------------------------------------------------------------
+# the sequence-tiled GatedDeltaNet
+# ----------------------------------------------------------------------------------------------
+GDN_TARGETS = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
+K = 4  # the tiny model's conv window (transformers' default linear_conv_kernel_dim)
+
+
+def _gdn(model):
+    return next(m for m in model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet")
+
+
+def _count_tiles(gdn):
+    """Record the tokens of every call of the GatedDeltaNet's in_proj (one entry a tile, or an untiled call)."""
+    calls = []
+    gdn.in_proj_qkv.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[1]))
+    return calls
+
+
+def _gdn_outputs(gdn, x, w, tile, dtype=torch.float32, forward=None, **kwargs):
+    """The output and the gradients of ``sum(y · w)`` for x and every trainable parameter, tiled
+    (``tile`` tokens) or not (``tile=None``: ``forward``, by default the module's own)."""
+    params = [p for p in gdn.parameters() if p.requires_grad]
+    xs = x.to(dtype).requires_grad_()
+    forward = gdn if forward is None else forward
+    y = lc.tiled_gated_delta_net(gdn, xs, tile, **kwargs) if tile else forward(hidden_states=xs, **kwargs)
+    return [y.detach(), *torch.autograd.grad((y * w.to(dtype)).sum(), [xs, *params])]
+
+
+@pytest.mark.parametrize("tile", [1, 2, K - 1, 4, 11, 16])  # T = 11: odd, divided by none of 2, 3, 4
+def test_tiled_gated_delta_net_gives_the_output_and_every_gradient_of_the_module(tile):
+    gdn = _gdn(_model(targets=GDN_TARGETS, checkpointing=False))
+    for p in (gdn.A_log, gdn.dt_bias, gdn.conv1d.weight, gdn.norm.weight):  # trainable too: their gradients
+        p.requires_grad_(True)  # sum over tiles, and the conv's and the state's carries feed them
+    gdn64 = copy.deepcopy(gdn).double()
+    names = ["y", "dx"] + [n for n, p in gdn.named_parameters() if p.requires_grad]
+    assert len(names) == 2 + 10 + 4  # LoRA A and B of the five projections, A_log, dt_bias, conv, norm
+    x = torch.randn(2, 11, TEXT["hidden_size"], device=device())
+    w = torch.randn(2, 11, TEXT["hidden_size"], device=device())
+    ref, ref64 = _gdn_outputs(gdn, x, w, None), _gdn_outputs(gdn64, x, w, None, torch.float64)
+    calls = _count_tiles(gdn)
+    out = _gdn_outputs(gdn, x, w, tile)
+    # other chunkings of the core, other GEMM row counts: held to the rule against fp64, not to the bits
+    for name, a, b, b64 in zip(names, out, ref, ref64):
+        assert_close_by_rule(name, a, b, b64)
+    sizes = [min(tile, 11 - s) for s in range(0, 11, tile)]
+    # a tile ≥ T is the module's math once; else each tile forward, then again (in reverse) in backward
+    assert calls == ([11] if tile >= 11 else sizes + sizes[::-1])
+
+
+def test_tiled_gated_delta_net_patched_by_q35lab_fused_in_proj_triton_conv_and_gated_norm():
+    model = _model(targets=GDN_TARGETS, checkpointing=False)
+    gdn64 = copy.deepcopy(_gdn(model)).double()  # transformers' own modules in fp64
+    q35lab.apply_to_qwen3_5(model)
+    gdn = _gdn(model)
+    assert type(vars(gdn)["forward"]).__name__ == "_SwitchedConvForward"
+    x = torch.randn(1, 7, TEXT["hidden_size"], device=device())
+    w = torch.randn(1, 7, TEXT["hidden_size"], device=device())
+    ref, ref64 = _gdn_outputs(gdn, x, w, None), _gdn_outputs(gdn64, x, w, None, torch.float64)
+    out = _gdn_outputs(gdn, x, w, 2)  # tiles shorter than K − 1: a carry holds rows of two tiles
+    for i, (a, b, b64) in enumerate(zip(out, ref, ref64)):
+        assert_close_by_rule(str(i), a, b, b64)
+
+
+def _step_without_cache(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss  # no DynamicCache in a training forward
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_a_patched_model_with_every_long_context_option_under_checkpointing_and_bf16_autocast(monkeypatch):
+    ids = torch.randint(0, 128, (1, 11), device=device())
+    # The PyTorch core multiplies the recurrent state into each chunk in bf16 under autocast: tiles
+    # that are not multiples of its chunk (64) add chunk boundaries, whose rounding differs from the
+    # untiled module's by bf16's few percent. Cores chunked as the tiles are make the two comparable.
+    modeling = sys.modules[type(_gdn(_model(checkpointing=False))).__module__]
+    monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule",
+                        functools.partial(modeling.torch_chunk_gated_delta_rule, chunk_size=4))
+    reference = _model(targets="all-linear")
+    q35lab.apply_to_qwen3_5(reference)
+    expected = _step(reference, ids, autocast=True)
+    model = _model(targets="all-linear")
+    report = q35lab.apply_to_qwen3_5(model, tiled_gdn=4, tiled_mlp=4, offload_checkpoints=1.0)
+    assert report.replaced["Qwen3_5GatedDeltaNet (tiled, 4 tokens a tile)"] == 1
+    assert report.replaced["Qwen3_5MLP (tiled, 4 tokens a tile)"] == 2 and "tiled GatedDeltaNet" in report.runs
+    tiles, mlp_calls = _count_tiles(_gdn(model)), _count_mlp_calls(model)
+    got = _step(model, ids, autocast=True)
+    # forward, the layer checkpoint's recompute (it needs the output: see tiled_gated_delta_net), backward
+    assert tiles == [4, 4, 3] * 2 + [3, 4, 4]
+    assert mlp_calls == [4, 4, 3] * 4  # the MLPs after it still stop the recompute early: 2 passes
+    _assert_same(got, expected, rtol=2e-2, atol=2e-3)  # bf16 both sides (as the tiled MLP's test above)
+
+
+def test_a_patched_model_with_tiled_gated_delta_nets_without_checkpointing_same_loss_and_gradients():
+    ids = torch.randint(0, 128, (2, 9), device=device())
+    reference = _model(targets="all-linear", checkpointing=False)
+    q35lab.apply_to_qwen3_5(reference)
+    expected = _step_without_cache(reference, ids)
+    model = _model(targets="all-linear", checkpointing=False)
+    q35lab.apply_to_qwen3_5(model, tiled_gdn=5, tiled_mlp=4)
+    tiles = _count_tiles(_gdn(model))
+    _assert_same(_step_without_cache(model, ids), expected, rtol=1e-4, atol=1e-6)
+    assert tiles == [5, 4, 4, 5]  # each tile twice: forward, backward
+    with torch.no_grad():  # eval / no grad: the module's own forward, one call
+        tiles.clear()
+        model(input_ids=ids)
+        assert tiles == [9]
+
+
+def test_lora_dropout_in_the_gated_delta_net_replays_each_tiles_masks_and_leaves_the_rng_alone():
+    gdn = _gdn(_model(dropout=0.4, targets=GDN_TARGETS, checkpointing=False))
+    params = [p for p in gdn.parameters() if p.requires_grad]
+    x = torch.randn(1, 10, TEXT["hidden_size"], device=device(), requires_grad=True)
+
+    def loop(t):  # the same tiles, in the same order, as ordinary autograd: the same draws as the forward
+        step, carry, outs = lc._GatedDeltaNetTile(gdn, None, {}), None, []
+        for s in range(0, 10, 4):
+            y, carry = step(t[:, s:s + 4], carry, (s, min(s + 4, 10)))
+            outs.append(y)
+        return torch.cat(outs, 1)
+
+    def run(f):
+        torch.manual_seed(5)
+        grads = torch.autograd.grad(f(x).square().sum(), [x, *params])
+        return grads, torch.get_rng_state()
+
+    (tiled, rng_tiled), (reference, rng_reference) = run(lambda t: lc.tiled_gated_delta_net(gdn, t, 4)), run(loop)
+    for a, b in zip(tiled, reference):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert torch.equal(rng_tiled, rng_reference)
+    torch.manual_seed(6)
+    assert not torch.allclose(torch.autograd.grad(loop(x).square().sum(), x)[0], reference[0])  # masks matter
+
+
+def test_retain_graph_twice_and_a_second_derivative_through_the_tiled_gated_delta_net():
+    gdn = _gdn(_model(targets=GDN_TARGETS, checkpointing=False))
+    params = [p for p in gdn.parameters() if p.requires_grad]
+    x = torch.randn(1, 9, TEXT["hidden_size"], device=device(), requires_grad=True)
+
+    def block(t):
+        return t + lc.tiled_gated_delta_net(gdn, torch.nn.functional.rms_norm(t, (t.shape[-1],)), 4)
+
+    def grads(times):
+        for p in [x, *params]:
+            p.grad = None
+        loss = checkpoint(block, x, use_reentrant=False).square().sum()
+        for _ in range(times):
+            loss.backward(retain_graph=True)
+        return [p.grad.clone() for p in [x, *params]]
+
+    for a, b in zip(grads(1), grads(2)):
+        torch.testing.assert_close(b, 2 * a, rtol=1e-6, atol=1e-7)
+    (dx,) = torch.autograd.grad(lc.tiled_gated_delta_net(gdn, x, 4).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="TiledGDNFunction has no second derivative"):
+        dx.sum().backward()
+
+
+def test_tiled_gated_delta_net_saves_its_input_and_one_carry_a_tile_nothing_of_a_tile():
+    gdn = _gdn(_model(targets=GDN_TARGETS, checkpointing=False))
+    B, T, e = 2, 10, 4
+    x = torch.randn(B, T, TEXT["hidden_size"], device=device(), requires_grad=True)
+    weights = {p.untyped_storage().data_ptr() for p in gdn.parameters()}
+    saved = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = lc.tiled_gated_delta_net(gdn, x, 4)
+    assert saved[0] is x  # the caller's input, not a copy
+    carries = saved[1:]  # into tiles 2 and 3: the K − 1 conv rows and the fp32 state each
+    assert [tuple(c.shape) for c in carries] == [(B, K - 1, gdn.conv_dim), (B, 4, 16, 16)] * 2
+    assert carries[1].dtype == torch.float32
+    assert sum(c.numel() * c.element_size() for c in carries) == 2 * B * lc._gdn_carry_bytes(lc._dims(_tiny_config()), e)
+    assert y.grad_fn.name() == "TiledGDNFunctionBackward"
+
+
+def test_padding_masks_are_tiled_packed_sequences_and_caches_run_untiled_with_a_warning():
+    model = _model(targets=GDN_TARGETS, checkpointing=False)
+    q35lab.apply_to_qwen3_5(model, tiled_gdn=3)
+    gdn = _gdn(model)
+    inner = vars(gdn)["forward"].inner  # q35lab's untiled forward
+    x = torch.randn(2, 8, TEXT["hidden_size"], device=device())
+    w = torch.randn(2, 8, TEXT["hidden_size"], device=device())
+    mask = torch.ones(2, 8, dtype=torch.long, device=device())
+    mask[1, :3] = 0  # left padding
+    tiles = _count_tiles(gdn)
+    got = _gdn_outputs(gdn, x, w, None, attention_mask=mask)  # the module's forward: tiled
+    assert tiles == [3, 3, 2, 2, 3, 3]
+    expected = _gdn_outputs(gdn, x, w, None, forward=inner, attention_mask=mask)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert got[0][1, :3].abs().max() == 0 < got[0][0, :3].abs().max()  # padding rows zeroed before the in_proj
+    # packed sequences in one row: their boundaries do not line up with tiles — the module's own forward
+    cu = torch.tensor([0, 5, 8], dtype=torch.int32, device=device())
+    row = x[:1].clone().requires_grad_()
+    tiles.clear()
+    with pytest.warns(UserWarning, match="runs untiled here: packed sequences"):
+        packed = gdn(hidden_states=row, cu_seq_lens_q=cu)
+    assert tiles == [8]
+    torch.testing.assert_close(packed, inner(hidden_states=row, cu_seq_lens_q=cu))
+    with pytest.raises(ValueError, match="cu_seq_lens_q"):
+        lc.tiled_gated_delta_net(gdn, row, 3, cu_seq_lens_q=cu)
+    from transformers import DynamicCache
+
+    tiles.clear()
+    name = "cache_params" if "cache_params" in inspect.signature(type(gdn).forward).parameters else "cache"
+    with pytest.warns(UserWarning, match="a cache was passed"):
+        gdn(hidden_states=row, **{name: DynamicCache(config=model.config)})
+    assert tiles == [8]
+
+
+def test_a_tiled_gated_delta_net_deep_copies_pickles_and_reverts():
+    ids = torch.randint(0, 128, (1, 9), device=device())
+    model = _model(targets="all-linear", checkpointing=False)
+    report = q35lab.apply_to_qwen3_5(model, tiled_gdn=4)
+    again = q35lab.apply_to_qwen3_5(model, tiled_gdn=3)  # idempotent: the tile size updated
+    assert report.replaced["Qwen3_5GatedDeltaNet (tiled, 4 tokens a tile)"] == 1 and not any(
+        "tiled" in name for name in again.replaced)
+    forward = vars(_gdn(model))["forward"]
+    assert isinstance(forward, lc.TiledGDNForward) and forward.tile_tokens == 3
+    before = _step_without_cache(model, ids)
+    twin = copy.deepcopy(model)
+    twin_forward = vars(_gdn(twin))["forward"]
+    assert twin_forward.module is _gdn(twin) and twin_forward.inner.module is _gdn(twin)
+    _assert_same(_step_without_cache(twin, ids), before)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    _assert_same(_step_without_cache(torch.load(buffer, weights_only=False), ids), before)
+    assert pickle.loads(pickle.dumps(forward)).tile_tokens == 3
+    reverted = q35lab.revert(model)
+    assert reverted.reverted["Qwen3_5GatedDeltaNet (tiled)"] == 1
+    assert "forward" not in vars(_gdn(model))  # the conv's forward under it came off too
+
+
+def test_wrong_tiled_gated_delta_net_arguments_are_errors_that_name_them():
+    model = _model(targets=GDN_TARGETS, checkpointing=False)
+    gdn = _gdn(model)
+    x = torch.randn(1, 5, TEXT["hidden_size"], requires_grad=True)
+    for value, error in ((-1, ValueError), (True, TypeError), (2.5, TypeError)):
+        with pytest.raises(error, match="tiled_gdn"):
+            q35lab.apply_to_qwen3_5(model, tiled_gdn=value)
+        with pytest.raises(error, match="tiled_mlp"):
+            q35lab.apply_to_qwen3_5(model, tiled_mlp=value)
+        with pytest.raises(error, match="tile_tokens"):
+            lc.tiled_gated_delta_net(gdn, x, value)
+    assert not any("tiled" in name for name in q35lab.apply_to_qwen3_5(model, tiled_gdn=0).replaced)  # off
+    with pytest.raises(TypeError, match="gdn"):
+        lc.tiled_gated_delta_net(_mlps(model)[0], x, 2)
+    with pytest.raises(ValueError, match=r"x: expected \[B, T, 64\]"):
+        lc.tiled_gated_delta_net(gdn, x[0], 2)
+    with pytest.raises(ValueError, match="attention_mask"):
+        lc.tiled_gated_delta_net(gdn, x, 2, attention_mask=torch.ones(1, 4))
+    with pytest.raises(ValueError, match="tiled_gdn_tokens"):
+        lc.bytes_per_token(_tiny_config(), tiled_gdn_tokens=0)
+
+
+def test_the_tiled_gated_delta_net_terms_and_the_9b_at_half_a_million_tokens():
+    d = lc._dims(_tiny_config())
+    untiled = lc.bytes_per_token(_tiny_config(), lora_rank=4, dtype_bytes=4, tiled_mlp_tokens=8, loss_chunk_bytes=0)
+    tiled = lc.bytes_per_token(_tiny_config(), lora_rank=4, dtype_bytes=4, tiled_mlp_tokens=8, tiled_gdn_tokens=16,
+                               loss_chunk_bytes=0)
+    # the carry a tile: state 4·16·16·4 = 4096, conv rows 3·128·4 = 1536; per token at 16 a tile: 352
+    assert lc._gdn_carry_bytes(d, 4) == 4096 + 1536
+    common = 512 + 768 + 112  # checkpoints, residual grads, ids/labels/positions/RoPE (as above)
+    assert tiled.phases["GatedDeltaNet backward"] == common + 256 + 352 + 256 + 4  # input, carries, dx, rstd
+    assert tiled.phases["MLP backward (GatedDeltaNet layer)"] == common + 256 + 352 + 264 + 512
+    gdn_untiled = untiled.phases["GatedDeltaNet backward"] - common - 4  # the untiled GDN's per-token terms
+    assert tiled.fixed["GatedDeltaNet: one tile's working set"] == 16 * gdn_untiled + 2 * (4096 + 1536)
+    assert tiled.phases["attention backward"] == untiled.phases["attention backward"]
+
+    from q35lab import e2e
+
+    config, GiB = e2e.config("9b"), 2**30
+    before = lc.bytes_per_token(config, tiled_mlp_tokens=8192, offload=True)
+    after = lc.bytes_per_token(config, tiled_mlp_tokens=8192, tiled_gdn_tokens=8192, offload=True)
+    assert before.phase == "GatedDeltaNet backward" and 220 * 1024 < before.per_token < 222 * 1024
+    # tiled, the GatedDeltaNet keeps 2·H·e + its carries a token (+ checkpoints, residual): attention is the peak
+    assert after.phases["GatedDeltaNet backward"] < 57 * 1024 and after.phase == "attention backward"
+    assert after.longest_fit() > 1.4 * before.longest_fit()
+    # half a million tokens on one H200 with 109 GiB of host memory for checkpoints: some layers kept on the GPU
+    assert lc.plan_offload_layers(config, 512 * 1024, host_bytes=125 * GiB, tiled_mlp_tokens=8192) == (27, False)
+    layers, fits = lc.plan_offload_layers(config, 512 * 1024, host_bytes=125 * GiB, tiled_mlp_tokens=8192,
+                                          tiled_gdn_tokens=8192)
+    assert fits and layers < 27
+
+
+def test_the_long_variant_tiles_the_gated_delta_nets_too():
+    from q35lab import e2e
+
+    report = e2e.prepare(e2e.build("tiny", 2, rank=8, device=device(), dtype=torch.float32), "q35lab+long", tokens=16)
+    assert any(name.startswith("Qwen3_5GatedDeltaNet (tiled, 8192") for name in report.replaced), report
+    assert any(name.startswith("Qwen3_5MLP (tiled, 8192") for name in report.replaced), report

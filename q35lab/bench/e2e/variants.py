@@ -10,13 +10,15 @@ import torch
 
 #: What each variant does to the PEFT model: q35lab flags, or a peer's patch.
 ALL_FLAGS = ("rms_norm", "gated_norm", "lora", "in_proj", "flce", "conv", "swiglu")
-#: Long-context options on top of every optimization (``q35lab.long_context``): the MLP in tiles of
-#: this many tokens, and the decoder layers' checkpoint inputs offloaded to host memory.
+#: Long-context options on top of every optimization (``q35lab.long_context``): the MLP (and, in
+#: q35lab+long, the GatedDeltaNet) in tiles of this many tokens, and the decoder layers'
+#: checkpoint inputs offloaded to host memory.
 TILE_TOKENS = 8192
 LONG_CONTEXT = {
     "q35lab+tiled": "q35lab with the sequence-tiled MLP (tiles of 8192 tokens)",
     "q35lab+offload": "q35lab with decoder-layer checkpoints offloaded to host memory (as many layers as it holds)",
-    "q35lab+long": "q35lab with both: the tiled MLP and the checkpoint offload",
+    "q35lab+long": "q35lab with all three: the tiled MLP, the tiled GatedDeltaNet (tiles of 8192 tokens) and the "
+                   "checkpoint offload",
 }
 VARIANTS = {
     "peft": "PEFT with its defaults (fp32 adapters, input cast)",
@@ -52,6 +54,8 @@ def prepare(model, variant: str, tokens: int | None = None):
         options = {}
         if variant != "q35lab+offload":
             options["tiled_mlp"] = TILE_TOKENS
+        if variant == "q35lab+long":
+            options["tiled_gdn"] = TILE_TOKENS
         if variant != "q35lab+tiled":
             options["offload_checkpoints"] = offloadable_layers(model, tokens)
         return apply_to_qwen3_5(model, **options)
