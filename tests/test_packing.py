@@ -194,3 +194,25 @@ def test_the_rows_built_here_are_those_of_transformers_packing_collator():
     assert set(batch) == set(theirs)
     for key, value in theirs.items():
         assert torch.equal(torch.as_tensor(batch[key]).long(), torch.as_tensor(value).long()), key
+
+
+def test_the_attention_a_step_is_built_with_is_recorded_and_changes_no_loss(tmp_path):
+    """e2e.build(attention=...) is transformers' attn_implementation; a packed row gives the same
+    loss through eager attention as through SDPA (both mask across the packed sequences), and rows
+    of another attention never replace the default's in the CSV."""
+    from q35lab import e2e
+
+    losses = {}
+    for attention in (None, "eager"):
+        model = e2e.build("tiny", 4, rank=4, device=device(), dtype=torch.float32, attention=attention)  # layer 4 attends
+        assert model.config._attn_implementation == (attention or "sdpa")
+        q35lab.apply_to_qwen3_5(model)
+        (row,) = e2e.packed_batch([5, 3, 8], TEXT["vocab_size"], device(), seed=1)
+        with torch.no_grad():
+            losses[attention] = model(**row["kwargs"], use_cache=False).loss
+    torch.testing.assert_close(losses[None], losses["eager"], rtol=1e-5, atol=1e-6)
+    path = tmp_path / "end_to_end.csv"
+    e2e.merge_rows(path, [{"variant": "q35lab", "T": 64, "batch": "packed", "step_ms": 1.0}]).to_csv(path, index=False)
+    both = e2e.merge_rows(path, [{"variant": "q35lab", "T": 64, "batch": "packed", "attention": "flex_attention",
+                                  "step_ms": 2.0}], last_line_wins=True)
+    assert sorted(both.step_ms) == [1.0, 2.0]

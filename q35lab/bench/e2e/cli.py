@@ -111,7 +111,7 @@ def _one_variant(args) -> None:
     """Runs in its own process: build, patch, measure every T, append JSON lines to --out."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     info = run_info()
-    model = build(args.size, args.layers, args.rank, device=device)
+    model = build(args.size, args.layers, args.rank, device=device, attention=args.attention)
     try:
         report, missing = prepare(model, args.variant, tokens=max(_sizes(args))), ""
     except ImportError as exc:  # a peer that is not installed is a row that says so
@@ -119,7 +119,7 @@ def _one_variant(args) -> None:
     for T in _sizes(args):
         key = {"variant": args.variant + ("+compile" if args.compile else ""), "T": T, "size": args.size,
                "layers": model.config.get_text_config().num_hidden_layers, "rank": args.rank,
-               **({"batch": args.batch} if args.batch else {})}
+               **({"batch": args.batch} if args.batch else {}), **({"attention": args.attention} if args.attention else {})}
         row = {**key, "status": "skipped" if missing else "ok", "note": missing,
                "report": " ".join(str(report).split())[:2000] if report else ""}
         if not missing:
@@ -169,6 +169,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", choices=["packed", "padded"], default=None,
                         help="T tokens of an SFT length mix (LMSYS-Chat-1M's mean, log-normal) packed into one row or "
                         "padded per micro-batch, instead of one sequence of T tokens; rows get a batch column")
+    parser.add_argument("--attention", choices=["sdpa", "flex_attention", "eager"], default=None,
+                        help="transformers' attn_implementation (default: its own, sdpa); the rows record it")
     parser.add_argument("--memory-at-peak", action="store_true",
                         help="at each --T, one more step recorded by the allocator: what is alive at its peak, by source")
     parser.add_argument("--breakdown", action="store_true",
@@ -197,7 +199,8 @@ def main(argv=None) -> int:
                  "--rank", str(args.rank), "--steps", str(args.steps),
                  "--warmup", str(args.warmup), "--fit-max", str(args.fit_max), "--fit-from", str(args.fit_from),
                  "--fit-step", str(args.fit_step), *(["--fit"] if args.fit else []),
-                 *(["--memory-at-peak"] if args.memory_at_peak else []), *(["--batch", args.batch] if args.batch else []), *(["--breakdown"] if args.breakdown else []),
+                 *(["--memory-at-peak"] if args.memory_at_peak else []), *(["--batch", args.batch] if args.batch else []),
+                 *(["--attention", args.attention] if args.attention else []), *(["--breakdown"] if args.breakdown else []),
                  "--T", *map(str, args.T)]
         if subprocess.run(child).returncode != 0:  # one row per size asked for, so that it replaces theirs
             with open(lines, "a") as f:
@@ -216,6 +219,10 @@ def _merge_lines(lines: Path, csv: Path, last_line_wins: bool = False) -> None:
     lines.unlink(missing_ok=True)
 
 
+#: Columns of a row's key beyond (variant, T, size, layers) that only some rows set.
+KEY_EXTRAS = ("batch", "attention")
+
+
 def merge_rows(path: Path, rows: list[dict], last_line_wins: bool = False):
     """This run's rows, after the rows already in ``path`` that it did not measure again (another
     variant, or another T of the same variant): results gathered over several device calls.
@@ -229,18 +236,20 @@ def merge_rows(path: Path, rows: list[dict], last_line_wins: bool = False):
         return frame
 
     new = integer_sizes(pd.DataFrame(rows))
-    if "batch" not in new.columns:  # a packed or padded row never replaces a row of one sequence
-        new["batch"] = math.nan
-    own = [c for c in ("variant", "T", "size", "layers", "batch") if c in new.columns]
+    for column in KEY_EXTRAS:  # a packed or padded row (or another attention's) never replaces a row of one sequence
+        if column not in new.columns:
+            new[column] = math.nan
+    own = [c for c in ("variant", "T", "size", "layers", *KEY_EXTRAS) if c in new.columns]
     if last_line_wins:
         new = new.loc[~new[own].astype(str).duplicated(keep="last")]
     if not path.exists() or path.stat().st_size == 0:
         return new.reset_index(drop=True)
     old = integer_sizes(read_csv(path))
-    if "batch" not in old.columns:
-        old["batch"] = math.nan
-    # a row is (variant, T, batch) of one model: its size and layers where both frames record them
-    key = [c for c in ("variant", "T", "size", "layers", "batch") if c in old.columns and c in new.columns]
+    for column in KEY_EXTRAS:
+        if column not in old.columns:
+            old[column] = math.nan
+    # a row is (variant, T, batch, attention) of one model: its size and layers where both frames record them
+    key = [c for c in ("variant", "T", "size", "layers", *KEY_EXTRAS) if c in old.columns and c in new.columns]
     if {"variant", "T"} <= set(key):
         measured = set(new[key].astype(str).itertuples(index=False, name=None))
         old = old[[k not in measured for k in old[key].astype(str).itertuples(index=False, name=None)]]

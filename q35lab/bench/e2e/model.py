@@ -44,16 +44,19 @@ def config(size: str = "h200", layers: int | None = None):
 
 
 def build(size: str = "h200", layers: int | None = None, rank: int = 16, device=None, dtype=torch.bfloat16, seed: int = 0,
-          checkpointing: bool = True, modules_to_save: list[str] | None = None):
+          checkpointing: bool = True, modules_to_save: list[str] | None = None, attention: str | None = None):
     """``AutoModelForCausalLM.from_config`` (random weights, seeded), LoRA r=``rank`` on every
     linear layer (PEFT's defaults otherwise: fp32 adapters), gradient checkpointing.
-    ``modules_to_save`` (e.g. ``["embed_tokens", "lm_head"]``) trains those whole, as for new tokens."""
+    ``modules_to_save`` (e.g. ``["embed_tokens", "lm_head"]``) trains those whole, as for new tokens.
+    ``attention``: transformers' ``attn_implementation`` ("sdpa", its default; "flex_attention",
+    whose block mask skips the blocks between packed sequences; "eager")."""
     import peft
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     with torch.device(device or "cpu"):  # initialised where it will run: 3 B parameters init slowly on a CPU
-        model = AutoModelForCausalLM.from_config(config(size, layers), dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config(size, layers), dtype=dtype,
+                                                 **({"attn_implementation": attention} if attention else {}))
     model = peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
                                                        modules_to_save=modules_to_save))
     with torch.no_grad():  # LoRA starts with B = 0; a non-zero B makes the adapters' path count
