@@ -1,10 +1,17 @@
 import os
 import random
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest -n 2 on a 2-core machine: one thread a worker, and one for every process a worker starts
+    # (a notebook's kernel, the FSDP test's ranks): two threads each made four or more busy threads
+    # on two cores, and OpenMP's spinning made notebook 06 take 339 s beside the FSDP test in CI
+    # instead of 46 s alone
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 import pytest
 import torch
 
-if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n 2 on a 2-core machine: one thread a worker
+if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 import q35lab  # noqa: F401  (selects the interpreter before any kernel is defined)
