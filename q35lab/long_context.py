@@ -152,22 +152,25 @@ def _autocast(state: dict):
         yield
 
 
-def _run_tiles(tiles: _Tiles, x: torch.Tensor, record_rng: bool) -> tuple[torch.Tensor, list]:
+def _run_tiles(tiles: _Tiles, x: torch.Tensor, record_rng: bool, keep_carries: bool = True) -> tuple[torch.Tensor, list]:
     """``fn`` over each tile of ``x`` (along dim -2), written into one output. Returns the output
     and the carry that entered each tile (None for the first tile, and for every tile of a
-    per-token map): the backward's recompute of tile i starts from carry i."""
+    per-token map): the backward's recompute of tile i starts from carry i. Without a backward
+    to come (``keep_carries=False``) only the current carry is alive: a 512k-token GatedDeltaNet
+    in 8192-token tiles would otherwise hold 64 states of 2 MiB until the call returns."""
     tokens = x.shape[-2]
     out, carry, carries = None, None, []
     for start, end in tiles.bounds(tokens):
         if record_rng:
             tiles.record_rng()
-        carries.append(carry)
+        if keep_carries:
+            carries.append(carry)
         piece = x[..., start:end, :]
         y, carry = tiles.step(piece, carry, (start, end))
         if not isinstance(y, torch.Tensor) or y.dim() != piece.dim() or y.shape[:-1] != piece.shape[:-1]:
             got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
             raise ValueError(f"{tiles.name}: expected a tensor of shape {tuple(piece.shape[:-1])} + (N,) for a tile "
-                             f"of shape {tuple(piece.shape)} (a per-token map), got {got}")
+                             f"of shape {tuple(piece.shape)}, got {got}")
         if out is None:
             out = y.new_empty((*x.shape[:-2], tokens, y.shape[-1]))
         out[..., start:end, :].copy_(y)
@@ -405,7 +408,7 @@ def tiled_mlp(mlp_forward, x: torch.Tensor, tile_tokens: int, *, params=None,
     needs_graph = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
     if not needs_graph:
         with torch.no_grad():
-            return _run_tiles(tiles, x, record_rng=False)[0]
+            return _run_tiles(tiles, x, record_rng=False, keep_carries=False)[0]
     if x.requires_grad:
         x = _StashInput.apply(x)
         tiles.stash = x.grad_fn
@@ -637,7 +640,7 @@ def tiled_gated_delta_net(gdn: torch.nn.Module, x: torch.Tensor, tile_tokens: in
     tiles = _Tiles(step, tile, bool(preserve_rng_state), x.device, scan=True, name="GatedDeltaNet tile")
     if not (torch.is_grad_enabled() and (x.requires_grad or params)):
         with torch.no_grad():
-            return _run_tiles(tiles, x, record_rng=False)[0]
+            return _run_tiles(tiles, x, record_rng=False, keep_carries=False)[0]
     return TiledGDNFunction.apply(tiles, x, *params)
 
 
@@ -1461,8 +1464,9 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
     Constant: the weights (``parameter_count``·weight_bytes), the LoRA adapters with their
     gradients and AdamW's two fp32 moments (``lora_parameter_count``·(2·adapter_bytes + 8)), the
     fused loss's logits chunk, one MLP tile's working set when tiled (tile·(H + 4I)·e), one
-    GatedDeltaNet tile's when tiled (tile · its untiled per-token terms, saved and backward, plus
-    two carries: the one it hands on and its gradient), and ``slack_bytes`` (cuBLAS workspaces,
+    GatedDeltaNet tile's when tiled (tile · its untiled per-token terms, saved and backward, two
+    carries: the one it hands on and its gradient, and the conv's input, (tile + K − 1) · conv_dim · e,
+    a new buffer after the first tile), and ``slack_bytes`` (cuBLAS workspaces,
     allocator rounding). ``offload``: True (every layer), a fraction or a count of layers; host
     memory then holds k·H·e per token.
     """
@@ -1510,8 +1514,10 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
                                                 * (d.H + 4 * d.I) * e)
     if gdn_tile is not None and "linear_attention" in d.layer_types:
         saved, backward = _gdn_terms(d, e, r)
+        # + the conv's input for a tile after the first: the carried K−1 rows and the tile's, one new buffer
         fixed["GatedDeltaNet: one tile's working set"] = batch * (
-            gdn_tile * (sum(saved.values()) + sum(backward.values())) + 2 * _gdn_carry_bytes(d, e))
+            gdn_tile * (sum(saved.values()) + sum(backward.values())) + 2 * _gdn_carry_bytes(d, e)
+            + (gdn_tile + d.conv_kernel - 1) * d.conv_dim * e)
     terms = {name: value * batch for name, value in phases[phase].items()}
     return MemoryModel(terms=terms, phase=phase, phases={n: t * batch for n, t in totals.items()}, fixed=fixed,
                        host_per_token=k * d.H * e * batch, offloaded_layers=k, layers=d.L)
