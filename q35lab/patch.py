@@ -791,12 +791,59 @@ def _packing(gdn: torch.nn.Module) -> str:
     if conv_ok and core_ok:
         core = "fla's delta rule" if fla else "transformers' PyTorch delta rule, run by q35lab once per sequence"
         return (f"sequences kept apart when their boundaries come as cu_seq_lens_q (DataCollatorWithFlattening("
-                f"return_flash_attn_kwargs=True); position_ids alone do not reach the GatedDeltaNet): the conv "
-                f"honours them, and {core}")
+                f"return_flash_attn_kwargs=True)) or as position_ids restarting in one row (q35lab derives "
+                f"cu_seq_lens_q from them): the conv honours them, and {core}")
     missing = [what for what, ok in (("the PyTorch causal conv1d", conv_ok), ("the PyTorch delta rule", core_ok))
                if not ok]
     return (f"{' and '.join(missing)} ignore cu_seq_lens_q: sequences packed in one row leak into each other; "
             "patch with conv=True (or install flash-linear-attention and causal-conv1d)")
+
+
+class _PackedBoundaries:
+    """Forward pre-hook of the module that runs the decoder layers: a row whose ``position_ids``
+    restart (transformers' packing convention, ``DataCollatorWithFlattening`` without
+    ``return_flash_attn_kwargs``) gets its boundaries as ``cu_seq_lens_q/k`` and
+    ``max_length_q/k`` too, which the decoder layers pass on to the GatedDeltaNet (``position_ids``
+    stop at the decoder layer). transformers' attention already keeps such sequences apart by
+    their ``position_ids``; without this the GatedDeltaNet's conv and recurrence ran across them.
+
+    ``cu_seq_lens = [0, s_1, ..., s_{n-1}, T]`` with ``s_j`` the tokens where ``position_ids`` is 0
+    (one device sync a forward). Only for one row (batch 1: packing's layout), without an
+    attention mask or a cache, and only when the caller gave no boundaries of its own."""
+
+    def __call__(self, module, args, kwargs):
+        positions = kwargs.get("position_ids")
+        if (positions is None or "cu_seq_lens_q" in kwargs or positions.dim() != 2 or positions.shape[0] != 1
+                or kwargs.get("attention_mask") is not None or _has_cache(kwargs)):
+            return None
+        starts = torch.nonzero(positions[0] == 0).flatten()
+        if starts.numel() <= 1 and (starts.numel() == 0 or int(starts[0]) == 0):
+            return None  # one sequence (or positions that never restart): nothing to keep apart
+        T = positions.shape[1]
+        edges = torch.cat([starts, starts.new_tensor([T])])
+        if int(edges[0]) != 0:
+            edges = torch.cat([edges.new_zeros(1), edges])
+        cu = edges.to(torch.int32)
+        longest = int((cu[1:] - cu[:-1]).max())
+        return args, {**kwargs, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
+def _has_cache(kwargs: dict) -> bool:
+    return any(kwargs.get(name) is not None for name in ("past_key_values", "cache", "cache_params"))
+
+
+def _derive_packed_boundaries(model: torch.nn.Module) -> None:
+    """Register ``_PackedBoundaries`` on every module that holds decoder layers (once)."""
+    for stack in long_context._layer_stacks(model):
+        if not any(isinstance(h, _PackedBoundaries) for h in stack._forward_pre_hooks.values()):
+            stack.register_forward_pre_hook(_PackedBoundaries(), with_kwargs=True)
+
+
+def _forget_packed_boundaries(model: torch.nn.Module) -> None:
+    for stack in long_context._layer_stacks(model):
+        for key in [k for k, h in stack._forward_pre_hooks.items() if isinstance(h, _PackedBoundaries)]:
+            del stack._forward_pre_hooks[key]
+            stack._forward_pre_hooks_with_kwargs.pop(key, None)
 
 
 def _record_what_runs(model: torch.nn.Module, report: "PatchReport") -> None:
@@ -925,6 +972,8 @@ def apply_to_qwen3_5(
     if offload_checkpoints:
         offloader = long_context.offload_decoder_layers(model, offload_checkpoints)
         report.replaced[f"decoder-layer checkpoints offloaded to host memory ({offloader.layers} layers)"] += 1
+    if any(_is_gated_delta_net(m) for m in model.modules()):
+        _derive_packed_boundaries(model)  # said in report.runs["packed batches"]
     _record_what_runs(model, report)
     if tiled_gdn and any(isinstance(vars(m).get("forward"), long_context.TiledGDNForward) for m in model.modules()):
         report.runs["tiled GatedDeltaNet"] = (
@@ -958,6 +1007,7 @@ def revert(model: torch.nn.Module) -> PatchReport:
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     _refuse_sharded(model, "revert")
     report = PatchReport()
+    _forget_packed_boundaries(model)
     if long_context.restore_decoder_layers(model):
         report.reverted["decoder-layer checkpoint offload"] += 1
     for module in model.modules():

@@ -72,7 +72,7 @@ LENGTHS = [[5, 9, 3], [1, 6, 2, 7]]
 def test_a_packed_row_gives_the_loss_and_gradients_of_its_sequences_run_alone(lengths):
     model = _peft_model(seed=0)
     report = q35lab.apply_to_qwen3_5(model)
-    assert "sequence" in report.runs["packed batches"] and "position_ids alone" in report.runs["packed batches"]
+    assert "sequence" in report.runs["packed batches"] and "position_ids restarting" in report.runs["packed batches"]
     sequences = [torch.randint(0, TEXT["vocab_size"], (n,), device=device()) for n in lengths]
     _assert_same(_packed_step(model, sequences), _one_at_a_time(model, sequences))
 
@@ -83,6 +83,31 @@ def test_the_patched_packed_row_matches_the_unpatched_model_run_one_sequence_at_
     patched = copy.deepcopy(unpatched)
     q35lab.apply_to_qwen3_5(patched)
     _assert_same(_packed_step(patched, sequences), _one_at_a_time(unpatched, sequences))
+
+
+@pytest.mark.parametrize("lengths", LENGTHS, ids=lambda ls: "-".join(map(str, ls)))
+def test_a_row_with_restarting_position_ids_only_is_kept_apart_too(lengths):
+    """DataCollatorWithFlattening's default row (no cu_seq_lens): the patch derives the boundaries
+    from position_ids for the GatedDeltaNet; unpatched, the conv and the recurrence run across them."""
+    sequences = [torch.randint(0, TEXT["vocab_size"], (n,), device=device()) for n in lengths]
+    ids, labels, kwargs = _packed(sequences)
+
+    def positions_only_step(model):
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=labels, position_ids=kwargs["position_ids"], use_cache=False).loss
+        loss.backward()
+        return loss.detach(), _grads(model)
+
+    unpatched = _peft_model(seed=3)
+    patched = copy.deepcopy(unpatched)
+    report = q35lab.apply_to_qwen3_5(patched)
+    assert "position_ids restarting in one row" in report.runs["packed batches"]
+    alone = _one_at_a_time(unpatched, sequences)
+    _assert_same(positions_only_step(patched), alone)
+    leaked, _ = positions_only_step(unpatched)
+    assert not torch.allclose(leaked, alone[0], rtol=1e-4, atol=1e-5)  # what the derivation prevents
+    q35lab.revert(patched)
+    torch.testing.assert_close(positions_only_step(patched)[0], leaked, rtol=1e-5, atol=1e-6)
 
 
 def test_without_the_conv_patch_the_report_says_packed_sequences_leak():
