@@ -1110,29 +1110,38 @@ class _OffloadGuard:
                 layer._gradient_checkpointing_func = _OffloadedCheckpoint(self.offloader, index, current)
 
 
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+def _is_decoder_layer(module: torch.nn.Module) -> bool:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    return [m for m in model.modules()
-            if isinstance(m, GradientCheckpointingLayer) and type(m).__name__.endswith("DecoderLayer")]
+    return isinstance(module, GradientCheckpointingLayer) and type(module).__name__.endswith("DecoderLayer")
 
 
 def _stack_layers(stack: torch.nn.Module) -> list[torch.nn.Module]:
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return [m for m in stack.layers if isinstance(m, GradientCheckpointingLayer) and type(m).__name__.endswith("DecoderLayer")]
+    return [m for m in stack.layers if _is_decoder_layer(m)]
 
 
 def _layer_stacks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules that hold decoder layers in a ``layers`` list (one for a text model; the
     language model of a vision-language one)."""
-    found = {id(layer) for layer in _decoder_layers(model)}
-    return [m for m in model.modules()
-            if isinstance(getattr(m, "layers", None), torch.nn.ModuleList) and any(id(x) in found for x in m.layers)]
+    return [m for m in model.modules() if isinstance(getattr(m, "layers", None), torch.nn.ModuleList) and _stack_layers(m)]
+
+
+def stack_pre_hooks(stack: torch.nn.Module, kind: type) -> dict:
+    """The forward pre-hooks of ``stack`` that are ``kind`` objects, by their handle's key."""
+    return {key: hook for key, hook in stack._forward_pre_hooks.items() if isinstance(hook, kind)}
+
+
+def remove_stack_pre_hooks(stack: torch.nn.Module, kind: type) -> bool:
+    """Remove ``stack``'s ``kind`` pre-hooks (with or without kwargs); whether there were any."""
+    keys = list(stack_pre_hooks(stack, kind))
+    for key in keys:
+        del stack._forward_pre_hooks[key]
+        stack._forward_pre_hooks_with_kwargs.pop(key, None)
+    return bool(keys)
 
 
 def _guards(stack: torch.nn.Module) -> dict:
-    return {key: hook for key, hook in stack._forward_pre_hooks.items() if isinstance(hook, _OffloadGuard)}
+    return stack_pre_hooks(stack, _OffloadGuard)
 
 
 def offload_decoder_layers(model: torch.nn.Module, layers: float | int = 1.0, *,
@@ -1146,7 +1155,8 @@ def offload_decoder_layers(model: torch.nn.Module, layers: float | int = 1.0, *,
     ``use_reentrant=False``, before or after this call); otherwise the layers run as they are.
     Returns the offloader (its ``stats`` count what moved). Calling again updates the count.
     """
-    found = _decoder_layers(model)
+    stacks = _layer_stacks(model)
+    found = [layer for stack in stacks for layer in _stack_layers(stack)]
     if isinstance(layers, bool) or not isinstance(layers, numbers.Real):
         raise TypeError(f"layers: expected a fraction (float in [0, 1]) or a count (int), got {layers!r}")
     if isinstance(layers, numbers.Integral):
@@ -1157,7 +1167,6 @@ def offload_decoder_layers(model: torch.nn.Module, layers: float | int = 1.0, *,
         if not 0.0 <= layers <= 1.0:
             raise ValueError(f"layers: expected a fraction in [0, 1], got {layers}")
         count = round(layers * len(found))
-    stacks = _layer_stacks(model)
     if not stacks:
         raise ValueError(f"model: expected a transformers model with decoder layers in a `layers` list, "
                          f"got {type(model).__name__}")
@@ -1167,8 +1176,7 @@ def offload_decoder_layers(model: torch.nn.Module, layers: float | int = 1.0, *,
     offloader.layers = count
     offloader.exclude_parameters_of(model)
     for stack in stacks:
-        for key in _guards(stack):
-            del stack._forward_pre_hooks[key]
+        remove_stack_pre_hooks(stack, _OffloadGuard)
         guard = _OffloadGuard(offloader)
         stack.register_forward_pre_hook(guard)
         guard(stack, ())  # wrap the checkpoint functions now (the guard does again at each forward)
@@ -1179,14 +1187,12 @@ def restore_decoder_layers(model: torch.nn.Module) -> int:
     """Undo ``offload_decoder_layers``; how many decoder layers were restored."""
     restored = 0
     for stack in _layer_stacks(model):
-        guards = _guards(stack)
-        for key in guards:
-            del stack._forward_pre_hooks[key]
+        guarded = remove_stack_pre_hooks(stack, _OffloadGuard)
         for layer in _stack_layers(stack):
             current = vars(layer).get("_gradient_checkpointing_func")
             if isinstance(current, _OffloadedCheckpoint):
                 layer._gradient_checkpointing_func = current.inner
-            restored += bool(guards) or isinstance(current, _OffloadedCheckpoint)
+            restored += guarded or isinstance(current, _OffloadedCheckpoint)
     return restored
 
 

@@ -816,15 +816,12 @@ class _PackedBoundaries:
         if (positions is None or "cu_seq_lens_q" in kwargs or positions.dim() != 2 or positions.shape[0] != 1
                 or kwargs.get("attention_mask") is not None or _has_cache(kwargs)):
             return None
-        starts = torch.nonzero(positions[0] == 0).flatten()
-        if starts.numel() <= 1 and (starts.numel() == 0 or int(starts[0]) == 0):
+        starts = torch.nonzero(positions[0] == 0).flatten().tolist()  # the one sync
+        edges = sorted({0, *starts, positions.shape[1]})
+        if len(edges) <= 2:
             return None  # one sequence (or positions that never restart): nothing to keep apart
-        T = positions.shape[1]
-        edges = torch.cat([starts, starts.new_tensor([T])])
-        if int(edges[0]) != 0:
-            edges = torch.cat([edges.new_zeros(1), edges])
-        cu = edges.to(torch.int32)
-        longest = int((cu[1:] - cu[:-1]).max())
+        cu = torch.tensor(edges, dtype=torch.int32, device=positions.device)
+        longest = max(b - a for a, b in zip(edges, edges[1:]))
         return args, {**kwargs, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
@@ -835,15 +832,13 @@ def _has_cache(kwargs: dict) -> bool:
 def _derive_packed_boundaries(model: torch.nn.Module) -> None:
     """Register ``_PackedBoundaries`` on every module that holds decoder layers (once)."""
     for stack in long_context._layer_stacks(model):
-        if not any(isinstance(h, _PackedBoundaries) for h in stack._forward_pre_hooks.values()):
+        if not long_context.stack_pre_hooks(stack, _PackedBoundaries):
             stack.register_forward_pre_hook(_PackedBoundaries(), with_kwargs=True)
 
 
 def _forget_packed_boundaries(model: torch.nn.Module) -> None:
     for stack in long_context._layer_stacks(model):
-        for key in [k for k, h in stack._forward_pre_hooks.items() if isinstance(h, _PackedBoundaries)]:
-            del stack._forward_pre_hooks[key]
-            stack._forward_pre_hooks_with_kwargs.pop(key, None)
+        long_context.remove_stack_pre_hooks(stack, _PackedBoundaries)
 
 
 def _record_what_runs(model: torch.nn.Module, report: "PatchReport") -> None:

@@ -128,7 +128,7 @@ def gemms_alone_ms(config, T: int, rank: int, device, max_rows: int = 8192) -> f
         return math.nan
     total = 0.0
     for (m, k, n), count in step_gemms(config, T, rank).items():
-        dims = [min(d, max_rows) if d > max_rows else d for d in (m, k, n)]
+        dims = [min(d, max_rows) for d in (m, k, n)]
         scale = (m * k * n) / (dims[0] * dims[1] * dims[2])
         a = torch.randn(dims[0], dims[1], device=device, dtype=torch.bfloat16)
         b = torch.randn(dims[1], dims[2], device=device, dtype=torch.bfloat16)
