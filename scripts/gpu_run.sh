@@ -46,8 +46,9 @@ step() {  # step NAME COMMAND...: run with a time limit (TIMEOUT_<name> or STEP_
   local name=$1; shift
   local limit="TIMEOUT_${name%%_*}"
   timeout "${!limit:-${STEP_TIMEOUT:-590}}" "$@" 2>&1 | tee "$LOGS/$name.log" | grep -v '%|' | tail -n 45
-  (cd "$ROOT" && tar czf "$OUT/results.tgz" data notebooks/*.ipynb $(ls q35lab/ops/tuned.json 2>/dev/null) \
-      -C "$LOGS/.." "$(basename "$LOGS")")
+  # written aside and renamed: a call cut at its limit mid-pack still returns the last whole one
+  (cd "$ROOT" && tar czf "$OUT/partial.tgz" data notebooks/*.ipynb $(ls q35lab/ops/tuned.json 2>/dev/null) \
+      -C "$LOGS/.." "$(basename "$LOGS")" && mv "$OUT/partial.tgz" "$OUT/results.tgz")
 }
 
 [[ $STEPS == *tests* ]] && step tests python3 scripts/gpu_tests.py --out data/bench/$gpu/gpu_tests.csv \

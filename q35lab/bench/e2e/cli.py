@@ -26,8 +26,10 @@ fresh process::
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import math
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -65,7 +67,8 @@ def _measured(model, T: int, args) -> dict:
     try:
         if args.what == "layer":
             return dict(what="layer", **measure_layer(model, T, steps=steps, warmup=warmup))
-        row = dict(what="step", **measure(model, T, steps=steps, warmup=warmup, compile=args.compile, batch=args.batch))
+        row = dict(what="step", **measure(model, T, steps=steps, warmup=warmup, compile=args.compile, batch=args.batch,
+                                            progress=True))
         if args.memory_at_peak and T in args.T and torch.cuda.is_available():
             try:  # an extra, optional look: its failure must not cost the measured row
                 row.update(memory_at_peak(model, T))
@@ -109,6 +112,8 @@ def _write_line(path, row: dict) -> None:
 
 def _one_variant(args) -> None:
     """Runs in its own process: build, patch, measure every T, append JSON lines to --out."""
+    # a time limit ends a run with SIGTERM: say where it was (then die as SIGTERM would)
+    faulthandler.register(signal.SIGTERM, all_threads=False, chain=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     info = run_info()
     model = build(args.size, args.layers, args.rank, device=device, attention=args.attention)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
 
 import torch
 
@@ -58,12 +59,13 @@ def _training_setup(model, lr: float):
 
 
 def measure(model, T: int, steps: int = 3, warmup: int = 1, lr: float = 1e-4, compile: bool = False,
-            batch: str | None = None) -> dict:
+            batch: str | None = None, progress: bool = False) -> dict:
     """Median step time and core time over ``steps`` steps after ``warmup``; peak memory; losses.
     ``compile``: the steps run ``torch.compile(model)`` (its compilation falls in the warm-up).
     ``batch``: one sequence of ``T`` random tokens (None), or ``T`` tokens of the SFT length mix
     "packed" into one row or "padded" per micro-batch (``packing``); their rows count the real
-    (non-pad) tokens a second."""
+    (non-pad) tokens a second. ``progress``: each step's wall time on stderr as it ends (a run
+    cut short by a time limit still says how far it got)."""
     device, vocab, optimizer = _training_setup(model, lr)
     step_model = torch.compile(model) if compile else model
     timer = RegionTimer()
@@ -83,6 +85,9 @@ def measure(model, T: int, steps: int = 3, warmup: int = 1, lr: float = 1e-4, co
             if i >= warmup:
                 step_ms.append(start.ms_until(end))
                 core_ms.append(timer.total_ms())
+            if progress:
+                print(f"  T={T} step {i + 1}/{warmup + steps} ({'measured' if i >= warmup else 'warm-up'}): "
+                      f"{start.ms_until(end):.0f} ms", file=sys.stderr, flush=True)
     step, core = statistics.median(step_ms), statistics.median(core_ms)
     shape = {}
     if batch is not None:  # the last step's batch: every step has T real tokens, only the padding differs
