@@ -685,3 +685,38 @@ def test_the_breakdown_of_a_profile_without_linked_correlation_ids_still_counts_
     assert {c: r["ms"] for c, r in rows.items()} == {c: r["ms"] for c, r in linked.items()}
     assert json.loads(rows["attention"]["sources"]) == {"no Python frame": 0.04}
     assert json.loads(rows["q35lab kernels"]["sources"]) == {"q35lab:swiglu.swiglu": 0.1}
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_the_floor_times_the_delta_rule_with_the_heads_the_layer_passes_it(patched):
+    """The core measured alone gets q, k, v shaped as the step hands them (transformers < 5.20
+    repeats q and k to the value heads first; newer ones pass the key heads): another head count
+    would be another fla autotuning key, tuned afresh (it once ran past a 300 s limit on the H200).
+    The recording forward leaves the layer's and the module's functions as they were."""
+    from q35lab.bench.e2e.floor import core_call, delta_rule_alone_ms
+
+    model = _model(seed=3)
+    if patched:
+        q35lab.apply_to_qwen3_5(model)
+    gdn = next(m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+    module = __import__(type(gdn).__module__, fromlist=["_"])
+    before = (vars(gdn).get("chunk_gated_delta_rule"), module.torch_chunk_gated_delta_rule)
+    passed = []
+    real = module.torch_chunk_gated_delta_rule
+
+    def spy(query, key, value, *args, **kwargs):  # what the layer itself hands the module's core
+        passed.append([tuple(t.shape[2:4]) for t in (query, key, value)])
+        return real(query, key, value, *args, **kwargs)
+
+    module.torch_chunk_gated_delta_rule = spy
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.randint(0, 128, (1, 8), device=device()))
+    finally:
+        module.torch_chunk_gated_delta_rule = real
+    call = core_call(model, tokens=8)
+    assert call["heads"] == passed[0]
+    assert call["heads"][2] == (gdn.num_v_heads, gdn.head_v_dim) and call["heads"][0][1] == gdn.head_k_dim
+    assert call["kwargs"]["use_qk_l2norm_in_kernel"] is True and call["kwargs"]["output_final_state"] is False
+    assert (vars(gdn).get("chunk_gated_delta_rule"), module.torch_chunk_gated_delta_rule) == before
+    assert delta_rule_alone_ms(model, 24) > 0

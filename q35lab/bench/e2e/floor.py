@@ -259,27 +259,60 @@ def attention_alone_ms(model, T: int) -> float:
 
 def delta_rule_alone_ms(model, T: int) -> float:
     """One GatedDeltaNet's delta-rule core at ``T`` tokens, alone: the function the layer calls,
-    with the inputs it hands it — q, k [1, T, heads, key dim], v [1, T, value heads, value dim] in
-    bf16, fp32 log-decays g and bf16 β — forward, recompute and backward under bf16 autocast.
-    Older transformers keep the function on the layer and repeat q, k to the value heads first;
-    newer ones call the modeling module's ``torch_chunk_gated_delta_rule`` (fla's where the hub
-    kernel resolves to it) with the key heads. NaN without such a layer."""
-    gdn = next((m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
-    if gdn is None:
+    with inputs of the heads, head dims and dtypes it hands it (``core_call``) — q, k, v in bf16,
+    fp32 log-decays g and bf16 β — forward, recompute and backward under bf16 autocast. NaN without
+    such a layer. Inputs shaped as the step's keep fla on the launch configurations its autotuning
+    chose in the step (a head count of its own would tune afresh: minutes on a new machine)."""
+    call = core_call(model)
+    if call is None:
         return math.nan
-    own = getattr(gdn, "chunk_gated_delta_rule", None)
-    core = own or sys.modules[type(gdn).__module__].torch_chunk_gated_delta_rule
-    qk_heads, nv = (gdn.num_v_heads if own else gdn.num_k_heads), gdn.num_v_heads
-    q, k = (_random((1, T, qk_heads, gdn.head_k_dim), gdn, seed) for seed in range(2))
-    v, beta = _random((1, T, nv, gdn.head_v_dim), gdn, 2), _random((1, T, nv), gdn, 3).sigmoid().detach().requires_grad_()
+    core, gdn, heads, kwargs = call["function"], call["layer"], call["heads"], call["kwargs"]
+    q, k, v = (_random((1, T, h, d), gdn, seed) for seed, (h, d) in enumerate(heads))
+    nv = heads[2][0]
+    beta = _random((1, T, nv), gdn, 3).sigmoid().detach().requires_grad_()
     g = torch.nn.functional.logsigmoid(_random((1, T, nv), gdn, 4).float()).detach().requires_grad_()
 
-    def call():
+    def run():
         with torch.autocast(device_type=q.device.type, dtype=torch.bfloat16):
-            return core(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
-                        use_qk_l2norm_in_kernel=True)[0]
+            return core(q, k, v, g=g, beta=beta, **kwargs)[0]
 
-    return _alone_ms(call, (q, k, v, g, beta))
+    return _alone_ms(run, (q, k, v, g, beta))
+
+
+def core_call(model, tokens: int = 64) -> dict | None:
+    """How this model's first GatedDeltaNet calls its delta-rule core, read from one short forward
+    (``tokens`` tokens, no grad): the function (the layer's own attribute on transformers < 5.20
+    where set, else its modeling module's ``torch_chunk_gated_delta_rule``), the (heads, dim) of q,
+    k and v as passed (some versions repeat q and k to the value heads first), and the keyword
+    arguments other than the tensors and the recurrent state. None without such a layer."""
+    gdn = next((m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
+    if gdn is None:
+        return None
+    module = sys.modules[type(gdn).__module__]
+    owners = [(gdn, "chunk_gated_delta_rule")] if callable(vars(gdn).get("chunk_gated_delta_rule")) else []
+    owners.append((module, "torch_chunk_gated_delta_rule"))
+    seen = []
+
+    def recorder(function):
+        def record(query, key, value, *args, **kwargs):
+            if not seen:
+                extra = {k: v for k, v in kwargs.items() if k not in ("g", "beta", "initial_state", "cu_seqlens")}
+                seen.append({"function": function, "layer": gdn, "kwargs": {**extra, "output_final_state": False},
+                             "heads": [tuple(t.shape[2:4]) for t in (query, key, value)]})
+            return function(query, key, value, *args, **kwargs)
+        return record
+
+    originals = [(owner, name, getattr(owner, name)) for owner, name in owners]
+    ids = torch.zeros(1, tokens, dtype=torch.long, device=next(gdn.parameters()).device)
+    try:
+        for owner, name, function in originals:
+            setattr(owner, name, recorder(function))
+        with torch.no_grad(), torch.autocast(device_type=ids.device.type, dtype=torch.bfloat16):
+            model(input_ids=ids)
+    finally:
+        for owner, name, function in originals:
+            setattr(owner, name, function)
+    return seen[0] if seen else None
 
 
 def _random(shape, module, seed: int) -> torch.Tensor:
