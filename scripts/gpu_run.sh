@@ -35,6 +35,13 @@ TRI=
 [[ -d /tmp/tri/triton ]] && TRI=/tmp/tri:
 export PYTHONPATH=${TRI}$( [[ -n ${NO_FLA:-} ]] || echo /tmp/site_fla:)/tmp/site:$PWD
 export TRITON_CACHE_AUTOTUNING=1  # fla autotunes each shape once; later processes reuse the result
+# fla's autotuning took 133 s of a fresh machine's first 9B step (2026-12-01): its results (small
+# *.autotune.json files, keyed by Triton, the GPU target, the kernel's source and the shape's key)
+# come back in results.tgz (triton-autotune/); carried back as the git-ignored .triton-autotune/,
+# they seed the next machine's Triton cache, and only the chosen configurations compile there
+CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+TUNED=/tmp/triton-autotune
+if [[ -d .triton-autotune ]]; then mkdir -p "$CACHE" && cp -rn .triton-autotune/. "$CACHE"/; fi
 WITH_FLA=$PYTHONPATH
 python3 -c "import triton, torch; print('triton', triton.__version__, 'torch', torch.__version__)"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
@@ -46,9 +53,10 @@ step() {  # step NAME COMMAND...: run with a time limit (TIMEOUT_<name> or STEP_
   local name=$1; shift
   local limit="TIMEOUT_${name%%_*}"
   timeout "${!limit:-${STEP_TIMEOUT:-590}}" "$@" 2>&1 | tee "$LOGS/$name.log" | grep -v '%|' | tail -n 45
+  mkdir -p "$TUNED" && [[ -d $CACHE ]] && (cd "$CACHE" && find . -name '*.autotune.json' -exec cp --parents {} "$TUNED" \;)
   # written aside and renamed: a call cut at its limit mid-pack still returns the last whole one
   (cd "$ROOT" && tar czf "$OUT/partial.tgz" data notebooks/*.ipynb $(ls q35lab/ops/tuned.json 2>/dev/null) \
-      -C "$LOGS/.." "$(basename "$LOGS")" && mv "$OUT/partial.tgz" "$OUT/results.tgz")
+      -C "$LOGS/.." "$(basename "$LOGS")" -C "$TUNED/.." "$(basename "$TUNED")" && mv "$OUT/partial.tgz" "$OUT/results.tgz")
 }
 
 [[ $STEPS == *tests* ]] && step tests python3 scripts/gpu_tests.py --out data/bench/$gpu/gpu_tests.csv \

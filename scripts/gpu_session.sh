@@ -20,8 +20,10 @@
 #                                          # q35lab+long at each T until one fits
 #   bash scripts/gpu_session.sh notebooks  # every notebook executed (outputs kept)
 #
-# The first step that trains a model at a new shape spends ~60 s in fla's autotuning (cached for
-# the later processes of the same machine: TRITON_CACHE_AUTOTUNING=1): give it that much more.
+# The first step that trains a model at a new shape spends 60-130 s in fla's autotuning (cached for
+# the later processes of the same machine: TRITON_CACHE_AUTOTUNING=1): give it that much more, or
+# carry .triton-autotune (the triton-autotune/ folder of an earlier call's results.tgz, a few
+# hundred KB), which seeds the machine's Triton cache with those results (scripts/gpu_run.sh).
 set -uo pipefail
 [[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|step|peers|ablation|big|packed|long|fsdp|notebooks ..."; exit 2; }
 csv=data/bench/nvidia-h200/end_to_end.csv
