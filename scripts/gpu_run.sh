@@ -75,7 +75,7 @@ fi
 e2e_log=e2e_$(echo "${E2E_VARIANTS:-} ${E2E_T:-} ${E2E_ARGS:-}" | tr -cs 'a-zA-Z0-9.+:' '-')  # one log a run
 [[ $STEPS == *e2e* ]] && step "$e2e_log" python3 -m q35lab.e2e \
     --variants ${E2E_VARIANTS:-peft peft+liger q35lab} --T ${E2E_T:-8192 32768} ${E2E_FIT:+--fit} ${E2E_ARGS:-} \
-    --out data/bench/$gpu/end_to_end.csv
+    --out data/bench/$gpu/${E2E_OUT:-end_to_end.csv}
 [[ $STEPS == *check* ]] && step check env PYTHONPATH=$WITH_FLA python3 -m q35lab check $OPS
 [[ $STEPS == *bench* ]] && step bench env PYTHONPATH=$WITH_FLA python3 -m q35lab bench $OPS ${BENCH_T:+--T $BENCH_T} "$@"
 [[ $STEPS == *bench* ]] && step plots python3 -m q35lab plots

@@ -11,7 +11,7 @@
 #   bash scripts/gpu_session.sh ops        # check and sweep the conv, SwiGLU and the delta-rule core
 #   bash scripts/gpu_session.sh step       # q35lab's 9B step at 32k with its breakdown and floor
 #   bash scripts/gpu_session.sh peers      # PEFT + Liger, axolotl's recipe, PEFT at 9B/32k
-#   bash scripts/gpu_session.sh ablation   # q35lab with one optimization at a time, 9B/32k
+#   bash scripts/gpu_session.sh ablation   # PEFT with one optimization at a time, 9B/32k (ablation.csv)
 #   bash scripts/gpu_session.sh big        # q35lab and PEFT + Liger at 27B/16k and 35B-A3B/8k
 #   bash scripts/gpu_session.sh packed     # the SFT length mix at 32k, packed and padded
 #   bash scripts/gpu_session.sh fsdp       # q35lab and PEFT + Liger under FSDP2 on every GPU of the machine
@@ -43,8 +43,13 @@ case $stage in
     e2e 140 peft+liger+axolotl 32768 --size 9b --steps 2
     e2e 140 peft 32768 --size 9b --steps 2
     ;;
-  ablation) e2e 330 "q35lab:rms_norm q35lab:gated_norm q35lab:lora q35lab:in_proj q35lab:flce q35lab:conv q35lab:swiglu" \
-                 32768 --size 9b --steps 2 ;;
+  ablation)  # ablation.csv: PEFT with one optimization at a time, beside PEFT, PEFT + Liger and all of q35lab
+            # in the same run; one variant a run, so that a call cut at its limit keeps the rows before
+    for v in peft peft+liger q35lab q35lab:lora q35lab:flce q35lab:in_proj q35lab:gated_norm q35lab:rms_norm \
+             q35lab:swiglu q35lab:conv; do
+      E2E_OUT=ablation.csv e2e 110 $v 32768 --size 9b --steps 1
+    done
+    ;;
   big)
     e2e 200 "q35lab peft+liger" 16384 --size 27b --steps 2
     e2e 200 "q35lab peft+liger" 8192 --size 35b-a3b --steps 2
