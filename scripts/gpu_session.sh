@@ -7,13 +7,16 @@
 # All three together are over the 64 MiB a call carries.
 #
 #   bash scripts/gpu_session.sh tests      # every test file compiled on the GPU, 8 files at a time
+#                                          # (a call of its own, last: the first call of 2026-12-01 ran the
+#                                          # tests first and lost the machine, with nothing returned)
 #   bash scripts/gpu_session.sh STAGE STAGE...  # several stages in one call, in order
 #   bash scripts/gpu_session.sh ops        # check and sweep the conv, SwiGLU and the delta-rule core
 #   bash scripts/gpu_session.sh step       # q35lab's 9B step at 32k with its breakdown and floor
 #   bash scripts/gpu_session.sh peers      # PEFT + Liger, axolotl's recipe, PEFT at 9B/32k
 #   bash scripts/gpu_session.sh ablation   # PEFT with one optimization at a time, 9B/32k (ablation.csv)
 #   bash scripts/gpu_session.sh big        # q35lab and PEFT + Liger at 27B/16k and 35B-A3B/8k
-#   bash scripts/gpu_session.sh packed     # the SFT length mix at 32k, packed and padded
+#   bash scripts/gpu_session.sh packed     # the SFT length mix at 32k: q35lab packed, both padded
+#   bash scripts/gpu_session.sh flex       # the packed row under flex attention, q35lab and PEFT + Liger
 #   bash scripts/gpu_session.sh fsdp       # q35lab and PEFT + Liger under FSDP2 on every GPU of the machine
 #                                          # (world size 1 on one H200: the sharded code path, measured)
 #   LONG_T="T..." bash scripts/gpu_session.sh long  # each long-context option alone at 32k, then
@@ -25,7 +28,7 @@
 # carry .triton-autotune (the triton-autotune/ folder of an earlier call's results.tgz, a few
 # hundred KB), which seeds the machine's Triton cache with those results (scripts/gpu_run.sh).
 set -uo pipefail
-[[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|step|peers|ablation|big|packed|long|fsdp|notebooks ..."; exit 2; }
+[[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|step|peers|ablation|big|packed|flex|long|fsdp|notebooks ..."; exit 2; }
 csv=data/bench/nvidia-h200/end_to_end.csv
 e2e() {  # e2e SECONDS VARIANTS T ARGS...
   local limit=$1 variants=$2 T=$3; shift 3
@@ -40,7 +43,7 @@ case $stage in
                                                                  # ~200 s on a fresh machine
   peers)
     e2e 130 peft+liger 32768 --size 9b --steps 2
-    e2e 140 peft+liger+axolotl 32768 --size 9b --steps 2
+    e2e 240 peft+liger+axolotl 32768 --size 9b --steps 2  # its first step was still in backward at 110 s (a047ce5)
     e2e 140 peft 32768 --size 9b --steps 2
     ;;
   ablation)  # ablation.csv: PEFT with one optimization at a time, beside PEFT, PEFT + Liger and all of q35lab
@@ -55,14 +58,15 @@ case $stage in
     e2e 200 "q35lab peft+liger" 8192 --size 35b-a3b --steps 2
     ;;
   packed)
-    # varlen (cu_seqlens) and every padded micro-batch's shape are new to fla's autotuning: the first
-    # of each ran past 140 s on 2026-12-01 (q35lab's packed and padded rows were lost to that)
-    for v in q35lab peft+liger; do
-      for batch in packed padded; do e2e 280 $v 32768 --size 9b --steps 2 --batch $batch; done
-    done
+    # varlen (cu_seqlens) is a new fla autotuning key: the first packed run tunes it (~130 s on a
+    # fresh machine, as the first one-sequence step did); PEFT + Liger's packed row is from 347224a
+    e2e 240 q35lab 32768 --size 9b --steps 2 --batch packed
+    for v in q35lab peft+liger; do e2e 150 $v 32768 --size 9b --steps 2 --batch padded; done
+    ;;
+  flex)
     # SDPA takes the packed row's block-causal mask as a dense [T, T] mask (PEFT + Liger packed ran at
     # 0.72x its one-sequence throughput); flex attention's block mask skips the blocks between sequences
-    for v in q35lab peft+liger; do e2e 280 $v 32768 --size 9b --steps 2 --batch packed --attention flex_attention; done
+    for v in q35lab peft+liger; do e2e 200 $v 32768 --size 9b --steps 2 --batch packed --attention flex_attention; done
     ;;
   long)
     e2e 150 q35lab+tiled 32768 --size 9b --steps 2 --breakdown
