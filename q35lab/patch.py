@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import long_context
+from . import long_context, packed_attention
 from .ops._compile import opaque_to_compile
 from .ops.causal_conv1d import causal_conv1d
 from .ops.gated_rms_norm import GatedRMSNorm
@@ -811,6 +811,9 @@ class _PackedBoundaries:
     (one device sync a forward). Only for one row (batch 1: packing's layout), without an
     attention mask or a cache, and only when the caller gave no boundaries of its own."""
 
+    def __reduce__(self):  # unpickled in a fresh process: the attention it feeds is registered there too
+        return (_packed_boundaries, ())
+
     def __call__(self, module, args, kwargs):
         positions = kwargs.get("position_ids")
         if (positions is None or "cu_seq_lens_q" in kwargs or positions.dim() != 2 or positions.shape[0] != 1
@@ -823,6 +826,58 @@ class _PackedBoundaries:
         cu = torch.tensor(edges, dtype=torch.int32, device=positions.device)
         longest = max(b - a for a, b in zip(edges, edges[1:]))
         return args, {**kwargs, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
+def _packed_boundaries() -> _PackedBoundaries:
+    if importlib.util.find_spec("transformers") is not None:
+        packed_attention.register()
+    return _PackedBoundaries()
+
+
+# Full attention of packed rows: transformers' SDPA takes a packed row's boundaries as a dense
+# [T, T] mask; q35lab's attention implementation (packed_attention.NAME) gives them to PyTorch's
+# varlen flash attention and is transformers' SDPA for every other call.
+ATTENTION_CLASSES = ("Qwen3_5Attention", "Qwen3_5MoeAttention")
+
+
+def _attention_layers(model: torch.nn.Module) -> list:
+    """The model's full-attention modules (text decoder) that read their implementation from a config."""
+    return [m for m in model.modules() if type(m).__name__ in ATTENTION_CLASSES
+            and type(m).__module__.startswith("transformers.") and getattr(m, "config", None) is not None]
+
+
+def _attention_configs(model: torch.nn.Module, implementation: str) -> list:
+    """The configs (each once) of the full-attention layers set to ``implementation``."""
+    configs = {id(m.config): m.config for m in _attention_layers(model)
+               if getattr(m.config, "_attn_implementation", None) == implementation}
+    return list(configs.values())
+
+
+def _patch_attention(model: torch.nn.Module, report: "PatchReport") -> None:
+    layers = _attention_layers(model)
+    on_sdpa = [m for m in layers if m.config._attn_implementation == "sdpa"]
+    others = {str(m.config._attn_implementation) for m in layers} - {"sdpa", packed_attention.NAME}
+    if not on_sdpa:
+        if others:
+            report.not_applied["varlen_attention"] = (f"the attention runs {', '.join(sorted(others))}, not "
+                                                      "transformers' SDPA: left as it is")
+        report.already_patched += len(layers) - sum(str(m.config._attn_implementation) in others for m in layers)
+        return
+    if packed_attention.varlen_attention_function() is None:
+        report.not_applied["varlen_attention"] = packed_attention.describe()
+        return
+    packed_attention.register()
+    for config in _attention_configs(model, "sdpa"):
+        config._attn_implementation = packed_attention.NAME
+    report.replaced[f"{type(on_sdpa[0]).__name__} (SDPA; packed rows: varlen flash attention)"] += len(on_sdpa)
+
+
+def _unpatch_attention(model: torch.nn.Module, report: "PatchReport") -> None:
+    switched = [m for m in _attention_layers(model) if m.config._attn_implementation == packed_attention.NAME]
+    for config in _attention_configs(model, packed_attention.NAME):
+        config._attn_implementation = "sdpa"
+    if switched:
+        report.reverted[f"{type(switched[0]).__name__} (SDPA)"] += len(switched)
 
 
 def _has_cache(kwargs: dict) -> bool:
@@ -847,6 +902,8 @@ def _record_what_runs(model: torch.nn.Module, report: "PatchReport") -> None:
         report.runs["delta-rule core"] = _delta_rule_core(layers[0])
         report.runs["causal conv1d"] = _causal_conv(layers[0])
         report.runs["packed batches"] = _packing(layers[0])
+    if _attention_configs(model, packed_attention.NAME):
+        report.runs["packed full attention"] = packed_attention.describe()
 
 
 def _is_qwen3_5_module(module: torch.nn.Module) -> bool:
@@ -888,6 +945,7 @@ def apply_to_qwen3_5(
     flce: bool = True,
     conv: bool = True,
     swiglu: bool = True,
+    varlen_attention: bool = True,
     tiled_mlp: int | None = None,
     tiled_gdn: int | None = None,
     offload_checkpoints: float | int = 0,
@@ -904,6 +962,12 @@ def apply_to_qwen3_5(
 
     With FSDP2, patch first, then ``fully_shard`` each decoder layer and the root: a model that is
     sharded already is refused (``RuntimeError``), and so is ``revert`` of one.
+
+    ``varlen_attention``: full-attention layers that run transformers' SDPA switch to q35lab's
+    attention implementation (``q35lab.packed_attention``): a packed row whose boundaries are known
+    (``cu_seq_lens_q``, given by the collator or derived from restarting ``position_ids``) runs
+    PyTorch's variable-length flash attention, each sequence alone, instead of SDPA over a dense
+    [T, T] block mask; every other call is SDPA as before. ``revert`` switches them back.
 
     Long context (off by default): ``tiled_mlp=N`` computes every MLP in tiles of N tokens,
     recomputed per tile in backward (a tile's intermediates instead of the sequence's);
@@ -925,7 +989,7 @@ def apply_to_qwen3_5(
     _refuse_sharded(model, "apply_to_qwen3_5")
     tiled_mlp, tiled_gdn = _tile_option("tiled_mlp", tiled_mlp), _tile_option("tiled_gdn", tiled_gdn)
     enabled = {"rms_norm": rms_norm, "gated_norm": gated_norm, "lora": lora, "in_proj": in_proj, "flce": flce,
-               "conv": conv, "swiglu": swiglu}
+               "conv": conv, "swiglu": swiglu, "varlen_attention": varlen_attention}
     report = PatchReport(qwen3_5=any(map(_is_qwen3_5_module, model.modules())))
     for flag, wanted in enabled.items():
         if not wanted:
@@ -964,6 +1028,8 @@ def apply_to_qwen3_5(
         else:
             setattr(parent, name, replacement)
             report.replaced[type(child).__name__] += 1
+    if varlen_attention:
+        _patch_attention(model, report)
     if offload_checkpoints:
         offloader = long_context.offload_decoder_layers(model, offload_checkpoints)
         report.replaced[f"decoder-layer checkpoints offloaded to host memory ({offloader.layers} layers)"] += 1
@@ -1003,6 +1069,7 @@ def revert(model: torch.nn.Module) -> PatchReport:
     _refuse_sharded(model, "revert")
     report = PatchReport()
     _forget_packed_boundaries(model)
+    _unpatch_attention(model, report)
     if long_context.restore_decoder_layers(model):
         report.reverted["decoder-layer checkpoint offload"] += 1
     for module in model.modules():

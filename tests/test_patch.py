@@ -43,7 +43,7 @@ def test_same_logits_loss_and_gradients_patched_unpatched_reverted(build, norm_c
     n_norms = sum(type(m).__name__ == norm_class for m in model.modules())
     n_gated = sum(type(m).__name__ == gated_class for m in model.modules())
 
-    report = q35lab.apply_to_qwen3_5(model, flce=False, swiglu=False, conv=False)  # logits are compared: keep them
+    report = q35lab.apply_to_qwen3_5(model, flce=False, swiglu=False, conv=False, varlen_attention=False)  # logits are compared: keep them
     # 2 layers × 2, q/k norm of the attention layer, final norm; one gated norm per GatedDeltaNet
     assert report.replaced == {norm_class: 7, gated_class: 1} and (n_norms, n_gated) == (7, 1)
     assert not any(type(m).__name__ in (norm_class, gated_class) for m in model.modules())
@@ -79,13 +79,22 @@ def test_parameters_are_shared_not_copied():
     torch.testing.assert_close(model.model.norm.weight, state_before["model.norm.weight"] + 1.0)
 
 
+def _switched_attention(cls: str = "Qwen3_5Attention") -> dict:
+    """The report's line for the one full-attention layer switched to q35lab's packed-row
+    attention (q35lab.packed_attention), where this torch has varlen_attn."""
+    from q35lab import packed_attention
+
+    return {f"{cls} (SDPA; packed rows: varlen flash attention)": 1} if packed_attention.varlen_attention_function() else {}
+
+
 def test_multimodal_model_is_patched():
     model = multimodal()
     n_norms = sum(type(m).__name__ == "Qwen3_5RMSNorm" for m in model.modules())
     report = q35lab.apply_to_qwen3_5(model)
     assert report.replaced == {"Qwen3_5RMSNorm": n_norms, "Qwen3_5RMSNormGated": 1, "Qwen3_5MLP (SwiGLU)": 2,
                                "Qwen3_5GatedDeltaNet causal conv1d": 1,
-                               "Qwen3_5ForConditionalGeneration loss (fused linear cross entropy)": 1} and n_norms >= 7
+                               "Qwen3_5ForConditionalGeneration loss (fused linear cross entropy)": 1,
+                               **_switched_attention()} and n_norms >= 7
     ids = torch.randint(0, 100, (1, 6), device=device())
     assert torch.isfinite(model(input_ids=ids).logits).all()
 
@@ -94,7 +103,8 @@ def test_patching_twice_is_harmless_and_reported():
     model = causal_lm()
     first = q35lab.apply_to_qwen3_5(model)
     second = q35lab.apply_to_qwen3_5(model)
-    assert first.total == 12 and second.total == 0 and second.already_patched == 12  # 7 + 1 + 2 MLPs + conv + loss
+    n = 12 + sum(_switched_attention().values())  # 7 + 1 + 2 MLPs + conv + loss (+ the attention's switch)
+    assert first.total == n and second.total == 0 and second.already_patched == n
     assert "already patched" in str(second)
     q35lab.revert(model)
     assert q35lab.revert(model).reverted == {}
@@ -109,11 +119,11 @@ def test_flags_of_later_optimizations_are_reported_not_applied():
     report = q35lab.apply_to_qwen3_5(causal_lm(), gated_norm=True, lora=True, in_proj=True, flce=True)
     assert list(report.not_applied) == ["lora"]  # a bare model has no LoRA layers: the report says so
     off = q35lab.apply_to_qwen3_5(causal_lm(), rms_norm=False, gated_norm=False, lora=False, in_proj=False, flce=False,
-                                  swiglu=False, conv=False)
+                                  swiglu=False, conv=False, varlen_attention=False)
     assert off.total == 0
-    assert off.not_applied == {flag: "disabled by the caller"
-                               for flag in ("rms_norm", "gated_norm", "lora", "in_proj", "flce", "conv", "swiglu")}
-    only_gated = q35lab.apply_to_qwen3_5(causal_lm(), rms_norm=False, flce=False, swiglu=False, conv=False)
+    assert off.not_applied == {flag: "disabled by the caller" for flag in
+                               ("rms_norm", "gated_norm", "lora", "in_proj", "flce", "conv", "swiglu", "varlen_attention")}
+    only_gated = q35lab.apply_to_qwen3_5(causal_lm(), rms_norm=False, flce=False, swiglu=False, conv=False, varlen_attention=False)
     assert only_gated.replaced == {"Qwen3_5RMSNormGated": 1}
 
 
@@ -135,12 +145,14 @@ def test_peft_wrapped_model():
     # q_proj, v_proj, out_proj routed; the GatedDeltaNet's four (frozen, no adapter) in_proj fused
     patched = {"Qwen3_5RMSNorm": 7, "Qwen3_5RMSNormGated": 1, "PEFT lora.Linear (forward)": 3,
                "Qwen3_5GatedDeltaNet in_proj (4 projections, 1 node)": 1, "Qwen3_5MLP (SwiGLU)": 2,
-               "Qwen3_5MLP gate/up (2 projections, 1 node)": 2, "Qwen3_5GatedDeltaNet causal conv1d": 1}
+               "Qwen3_5MLP gate/up (2 projections, 1 node)": 2, "Qwen3_5GatedDeltaNet causal conv1d": 1,
+               **_switched_attention()}
     assert report.replaced == patched
     _assert_same_step(before, _loss_and_grads(peft_model, ids))
     assert q35lab.revert(peft_model).reverted == {"Qwen3_5RMSNorm": 7, "Qwen3_5RMSNormGated": 1,
                                                   "PEFT lora.Linear (forward)": 3, "GatedDeltaNet in_proj": 1,
-                                                  "Qwen3_5MLP (SwiGLU)": 2, "Qwen3_5GatedDeltaNet causal conv1d": 1}
+                                                  "Qwen3_5MLP (SwiGLU)": 2, "Qwen3_5GatedDeltaNet causal conv1d": 1,
+                                                  **{"Qwen3_5Attention (SDPA)": n for n in _switched_attention().values()}}
     _assert_same_step(before, _loss_and_grads(peft_model, ids))
 
 
@@ -197,7 +209,7 @@ def test_patch_reaches_the_gated_norm_the_forward_calls(monkeypatch, norm_source
             gdn.norm = stand_in
     ids = torch.randint(0, 128, (2, 9), device=device())
     before = _loss_and_grads(model, ids)
-    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, flce=False, swiglu=False, conv=False)
+    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, flce=False, swiglu=False, conv=False, varlen_attention=False)
     expected_class = "FusedRMSNormGated" if norm_source == "fla" else "Qwen3_5RMSNormGated"
     assert report.replaced == {expected_class: 1}
     assert all(isinstance(g.norm, GatedRMSNorm) for g in gdns)
@@ -211,7 +223,7 @@ def test_fla_norm_with_another_activation_is_left_alone():
     model = causal_lm()
     gdn = _gdn_layers(model)[0]
     gdn.norm = _FlaStandIn(gdn.norm.weight.shape[0], activation="sigmoid").to(device())
-    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, in_proj=False, flce=False, swiglu=False, conv=False)
+    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, in_proj=False, flce=False, swiglu=False, conv=False, varlen_attention=False)
     assert report.replaced == {} and sum(report.left_alone.values()) == 1
     assert "sigmoid" in str(report)
 
@@ -221,7 +233,7 @@ def test_a_same_named_class_from_elsewhere_is_not_mistaken_for_fla():
     gdn = _gdn_layers(model)[0]
     other = type("FusedRMSNormGated", (_FlaStandIn,), {"__module__": "axolotl.kernels.rms_norm_gated"})
     gdn.norm = other(gdn.norm.weight.shape[0]).to(device())
-    assert q35lab.apply_to_qwen3_5(model, rms_norm=False, flce=False, swiglu=False, conv=False).replaced == {}
+    assert q35lab.apply_to_qwen3_5(model, rms_norm=False, flce=False, swiglu=False, conv=False, varlen_attention=False).replaced == {}
 
 
 def test_real_fla_norm_is_patched():
@@ -229,7 +241,7 @@ def test_real_fla_norm_is_patched():
     model = causal_lm()
     gdn = _gdn_layers(model)[0]
     gdn.norm = fla_norm(gdn.norm.weight.shape[0], eps=1e-6, activation="silu").to(device())
-    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, flce=False, swiglu=False, conv=False)
+    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, flce=False, swiglu=False, conv=False, varlen_attention=False)
     assert report.replaced == {"FusedRMSNormGated": 1} and gdn.norm.rounding == "fused"
 
 
@@ -243,7 +255,7 @@ def test_loss_without_logits_same_loss_and_gradients(build):
     labels = ids.clone()
     labels[0, :3] = -100
     reference = loss_and_grads(model, ids, labels)
-    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, gated_norm=False, lora=False, in_proj=False, swiglu=False, conv=False)
+    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, gated_norm=False, lora=False, in_proj=False, swiglu=False, conv=False, varlen_attention=False)
     assert report.replaced == {f"{type(model).__name__} loss (fused linear cross entropy)": 1}
     ours = loss_and_grads(model, ids, labels)
     torch.testing.assert_close(ours[0], reference[0], rtol=1e-5, atol=1e-6)
@@ -354,7 +366,7 @@ def test_conv_same_loss_and_gradients_through_the_kernel_and_an_unpatched_model_
     model, other = causal_lm(), causal_lm()
     ids = torch.randint(0, 128, (2, 9), device=device())
     before, other_before = _loss_and_grads(model, ids), _loss_and_grads(other, ids)
-    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, gated_norm=False, flce=False, swiglu=False, in_proj=False)
+    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, gated_norm=False, flce=False, swiglu=False, in_proj=False, varlen_attention=False)
     assert report.replaced == {"Qwen3_5GatedDeltaNet causal conv1d": 1}
     assert report.runs["causal conv1d"].startswith("q35lab's")
     calls = count_forward_calls(monkeypatch, CausalConv1dFunction)
@@ -375,7 +387,7 @@ def test_conv_on_a_layer_that_keeps_its_conv_function_as_an_attribute():
     model = causal_lm()
     gdn = _gdn_layers(model)[0]
     gdn.causal_conv1d_fn = None
-    q35lab.apply_to_qwen3_5(model, rms_norm=False, gated_norm=False, flce=False, swiglu=False, in_proj=False)
+    q35lab.apply_to_qwen3_5(model, rms_norm=False, gated_norm=False, flce=False, swiglu=False, in_proj=False, varlen_attention=False)
     assert "forward" not in vars(gdn) and callable(gdn.causal_conv1d_fn)
     x = torch.randn(2, gdn.conv1d.weight.shape[0], 7, device=device())  # [B, C, T]
     weight, bias = gdn.conv1d.weight.squeeze(1).detach(), gdn.conv1d.bias

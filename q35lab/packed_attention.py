@@ -1,0 +1,124 @@
+"""Full attention of packed rows without a [T, T] mask: transformers' SDPA, except where a row's
+sequence boundaries are known, which go to PyTorch's variable-length flash attention.
+
+A packed row (many short sequences in one row, ``position_ids`` restarting at each) is block-
+causal: token t attends to the tokens of its own sequence up to itself. transformers' SDPA path
+writes that as a dense boolean mask, [1, 1, T, T] (1 GiB at T = 32k), and SDPA with an arbitrary
+mask cannot skip the blocks the mask rules out: it computes every query against every key, about
+T² where the row's real work is Σ nᵢ² over its sequences (for chat-length sequences packed to 32k,
+well under 1% of T²). PEFT + Liger's packed 9B step ran at 0.72× its one-sequence throughput on
+the H200 for that reason (``data/bench/nvidia-h200/end_to_end.csv``).
+
+``torch.nn.attention.varlen.varlen_attn`` takes the sequences as cumulative boundaries
+``cu_seq_lens = [0, n₁, n₁ + n₂, ..., T]`` and runs flash attention over each sequence alone:
+the row costs what its sequences cost. q35lab registers one attention implementation with
+transformers (``NAME``): given ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (the packing collator's
+``return_flash_attn_kwargs``, or derived by q35lab from restarting ``position_ids``), on a CUDA
+device, in bf16 or fp16, one row whose queries are its keys, it calls ``varlen_attn``; every other
+call (padding masks, a cache, fp32, a CPU, no boundaries) is transformers' own SDPA function with
+transformers' own SDPA mask, unchanged. With boundaries the mask is not read: they say the same
+thing, as with transformers' flash-attention path.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+#: The attention implementation's name in transformers' registries (``config._attn_implementation``).
+NAME = "q35lab_sdpa_varlen"
+
+
+@functools.cache
+def varlen_attention_function():
+    """PyTorch's ``varlen_attn`` (torch ≥ 2.9), or None where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _causal_keyword(function) -> dict:
+    """The keyword that makes ``varlen_attn`` causal: ``window_size=(-1, 0)`` (newer torch) or
+    ``is_causal=True`` (the first releases)."""
+    parameters = inspect.signature(function).parameters
+    if "window_size" in parameters:
+        return {"window_size": (-1, 0)}
+    if "is_causal" in parameters:
+        return {"is_causal": True}
+    raise RuntimeError("q35lab: this torch's varlen_attn takes neither window_size nor is_causal; "
+                       f"its signature: {inspect.signature(function)}")
+
+
+def register() -> None:
+    """Register ``NAME`` with transformers' attention and mask registries (idempotent): the
+    attention function below, and SDPA's mask function (so a padded batch gets SDPA's mask)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ALL_ATTENTION_FUNCTIONS.register(NAME, sdpa_or_varlen_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+def flash_can_run(query: torch.Tensor) -> bool:
+    """Flash attention's requirements of the tensors: a CUDA device, bf16 or fp16."""
+    return query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
+
+
+def takes_the_varlen_path(query: torch.Tensor, key: torch.Tensor, dropout: float, kwargs: dict) -> bool:
+    """Whether this call's boundaries go to ``varlen_attn``: boundaries given (the same for keys
+    as for queries: self-attention), one row whose queries are its keys (no cache in front of
+    them), no dropout, and tensors flash attention takes (``flash_can_run``)."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    return (isinstance(cu_q, torch.Tensor) and (cu_k is None or tuple(cu_k.shape) == tuple(cu_q.shape))
+            and query.shape[0] == 1 and query.shape[2] == key.shape[2] and not dropout
+            and varlen_attention_function() is not None and flash_can_run(query))
+
+
+def varlen_attention(module, query, key, value, cu_seq_lens, max_length, scaling):
+    """Causal attention within each sequence of a packed row: ``query`` [1, heads, T, d], ``key``
+    and ``value`` [1, kv heads, T, d] (grouped-query: heads a multiple of kv heads), sequence i
+    the tokens ``cu_seq_lens[i] : cu_seq_lens[i + 1]``; returns [1, T, heads, d], as
+    transformers' attention functions do."""
+    function = varlen_attention_function()
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"query: {heads} heads is not a multiple of the {kv_heads} key/value heads")
+    options = {"scale": scaling, **_causal_keyword(function)}
+    if kv_heads != heads:  # one key/value head per group of query heads
+        if "enable_gqa" in inspect.signature(function).parameters:
+            options["enable_gqa"] = True
+        else:  # (a torch whose varlen_attn does not say it takes fewer key/value heads)
+            key = key.repeat_interleave(heads // kv_heads, dim=1)
+            value = value.repeat_interleave(heads // kv_heads, dim=1)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, d]
+    cu = cu_seq_lens.to(device=query.device, dtype=torch.int32)
+    out = function(q, k, v, cu, cu, int(max_length), int(max_length), **options)
+    return out[None]
+
+
+def sdpa_or_varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                             **kwargs):
+    """transformers' attention-function interface (``AttentionInterface``): ``varlen_attention``
+    where ``takes_the_varlen_path``, else transformers' ``sdpa_attention_forward`` as it is."""
+    if takes_the_varlen_path(query, key, dropout, kwargs):
+        longest = kwargs.get("max_length_q")
+        if longest is None:
+            longest = int(kwargs["cu_seq_lens_q"].diff().max())  # a device sync: collators pass it
+        return varlen_attention(module, query, key, value, kwargs["cu_seq_lens_q"], longest, scaling), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def describe() -> str:
+    """What the report says runs a packed row's full attention."""
+    if varlen_attention_function() is None:
+        return (f"SDPA with a dense [T, T] block mask: torch {torch.__version__} has no "
+                "torch.nn.attention.varlen (torch >= 2.9 has)")
+    return ("torch's variable-length flash attention (varlen_attn) when the row's boundaries are known "
+            "(cu_seq_lens, given or derived from position_ids) on a CUDA device in bf16/fp16; SDPA, as "
+            "before, for every other call")
