@@ -72,6 +72,7 @@ __all__ = [
     "MIN_OFFLOAD_BYTES",
     "HOST_CHUNK_BYTES",
     "HOST_RESERVE_BYTES",
+    "default_host_reserve",
     "host_memory_available",
     "MemoryModel",
     "bytes_per_token",
@@ -810,7 +811,8 @@ MIN_OFFLOAD_BYTES = 2**20
 
 #: Host memory the checkpoint offload leaves to the process, the data loader and the OS (pinned
 #: memory is never swapped out; a host that runs out ends the process). A 512k-token 9B step that
-#: pinned 112 GiB of a 125 GiB host (about 12 GiB left) died without an error on the H200.
+#: pinned 112 GiB of a 125 GiB host (about 12 GiB left) died without an error on the H200. A host
+#: of less than 64 GiB keeps a quarter of its memory instead (``default_host_reserve``).
 HOST_RESERVE_BYTES = 16 * 2**30
 
 #: Host copies are made of pinned blocks of at most this size. PyTorch's pinned-memory allocator
@@ -882,8 +884,10 @@ class CheckpointOffloader:
 
     def __init__(self, *, min_bytes: int = MIN_OFFLOAD_BYTES, layers: int | None = None, prefetch: bool = True,
                  pin_memory: bool | None = None, chunk_bytes: int = HOST_CHUNK_BYTES,
-                 host_reserve_bytes: int = HOST_RESERVE_BYTES):
+                 host_reserve_bytes: int | None = None):
         self.min_bytes = _byte_count("min_bytes", min_bytes, "an int ≥ 0")
+        if host_reserve_bytes is None:
+            host_reserve_bytes = default_host_reserve()
         self.host_reserve_bytes = _byte_count("host_reserve_bytes", host_reserve_bytes, "an int ≥ 0")
         self.chunk_bytes = _byte_count("chunk_bytes", chunk_bytes, "a positive int", minimum=1)
         self.layers, self.prefetch, self.pin_memory = layers, bool(prefetch), pin_memory
@@ -1002,7 +1006,7 @@ class CheckpointOffloader:
             raise MemoryError(
                 f"q35lab: offloading this checkpoint would leave {max(0, available - new) / GiB:.1f} GiB of host memory "
                 f"(this step holds {self._chain_bytes / GiB:.1f} GiB offloaded; the reserve is "
-                f"{self.host_reserve_bytes / GiB:.0f} GiB): offload fewer decoder layers "
+                f"{self.host_reserve_bytes / GiB:.1f} GiB): offload fewer decoder layers "
                 "(apply_to_qwen3_5(offload_checkpoints=...), long_context.plan_offload_layers says how many fit)")
         self._most_bytes = self._chain_bytes
 
@@ -1199,14 +1203,39 @@ def restore_decoder_layers(model: torch.nn.Module) -> int:
 def host_memory_available() -> int | None:
     """Bytes of host memory this process may still take: MemAvailable (/proc/meminfo), capped by
     the cgroup's limit minus its usage where one is set (a container). None where unknown."""
-    available = None
+    available = _meminfo("MemAvailable")
+    limit = _cgroup_limit_and_usage()
+    if limit is not None:
+        room = limit[0] - limit[1]
+        available = room if available is None else min(available, room)
+    return available
+
+
+def default_host_reserve() -> int:
+    """The host memory an offload leaves free by default: ``HOST_RESERVE_BYTES``, or a quarter of
+    this host's memory (MemTotal, or the cgroup's limit) where that is less — a 12.7 GiB Colab
+    host keeps 3.2 GiB, not more than it has to spare."""
+    total = _meminfo("MemTotal")
+    limit = _cgroup_limit_and_usage()
+    if limit is not None:
+        total = limit[0] if total is None else min(total, limit[0])
+    return HOST_RESERVE_BYTES if total is None else min(HOST_RESERVE_BYTES, total // 4)
+
+
+def _meminfo(field: str) -> int | None:
+    """One field of /proc/meminfo in bytes, None where unknown."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-    except OSError:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
         pass
+    return None
+
+
+def _cgroup_limit_and_usage() -> tuple[int, int] | None:
+    """(limit, usage) in bytes of this process's memory cgroup (v2, else v1) where it sets a limit."""
     for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
                                    ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
                                     "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
@@ -1217,11 +1246,8 @@ def host_memory_available() -> int | None:
                 usage = int(f.read().strip())
         except (OSError, ValueError):
             continue
-        if limit.isdigit() and int(limit) < 2**60:
-            room = int(limit) - usage
-            available = room if available is None else min(available, room)
-        break
-    return available
+        return (int(limit), usage) if limit.isdigit() and int(limit) < 2**60 else None
+    return None
 
 
 # ==============================================================================================

@@ -232,7 +232,7 @@ def test_long_context_variants_tile_the_mlps_and_offload_what_the_host_holds(mon
     assert any("offloaded" in name for name in report.replaced), report
     layers = model.config.get_text_config().num_hidden_layers
     per_layer = 4096 * model.config.get_text_config().hidden_size * 2
-    monkeypatch.setattr("q35lab.long_context.host_memory_available", lambda: q35lab.long_context.HOST_RESERVE_BYTES + 2.5 * per_layer)
+    monkeypatch.setattr("q35lab.long_context.host_memory_available", lambda: q35lab.long_context.default_host_reserve() + 2.5 * per_layer)
     assert variants.offloadable_layers(model, 4096) == min(layers, 2)
     monkeypatch.setattr("q35lab.long_context.host_memory_available", lambda: None)
     assert variants.offloadable_layers(model, 4096) == layers

@@ -386,6 +386,30 @@ def test_an_offload_that_would_leave_the_host_too_little_is_a_clear_error(monkey
         lc.CheckpointOffloader(host_reserve_bytes=-1)
 
 
+def test_the_default_reserve_is_16_gib_or_a_quarter_of_a_smaller_host(monkeypatch):
+    GiB = 2**30
+    hosts = {"H200 host": (125 * GiB, None, 16 * GiB), "Colab": (int(12.7 * GiB), None, int(12.7 * GiB) // 4),
+             "a container's limit": (125 * GiB, (8 * GiB, GiB), 2 * GiB), "unknown": (None, None, 16 * GiB)}
+    for name, (total, cgroup, reserve) in hosts.items():
+        monkeypatch.setattr(lc, "_meminfo", lambda field, total=total: total if field == "MemTotal" else None)
+        monkeypatch.setattr(lc, "_cgroup_limit_and_usage", lambda cgroup=cgroup: cgroup)
+        assert lc.default_host_reserve() == reserve, name
+        assert lc.CheckpointOffloader().host_reserve_bytes == reserve, name
+    monkeypatch.undo()  # (the conftest's roomy host too: read this machine's own numbers)
+    assert lc.host_memory_available() is None or 0 < lc.host_memory_available() < 2**50
+    assert 0 < lc.default_host_reserve() <= lc.HOST_RESERVE_BYTES
+
+
+def test_host_memory_available_takes_the_tighter_of_meminfo_and_the_cgroup(monkeypatch):
+    GiB = 2**30
+    monkeypatch.undo()  # the conftest's roomy host: test the real function
+    monkeypatch.setattr(lc, "_meminfo", lambda field: 10 * GiB if field == "MemAvailable" else None)
+    monkeypatch.setattr(lc, "_cgroup_limit_and_usage", lambda: (8 * GiB, 5 * GiB))
+    assert lc.host_memory_available() == 3 * GiB
+    monkeypatch.setattr(lc, "_cgroup_limit_and_usage", lambda: None)
+    assert lc.host_memory_available() == 10 * GiB
+
+
 def test_offload_a_fraction_of_layers_or_nothing_below_the_threshold():
     ids = torch.randint(0, 128, (1, 9), device=device())
     expected = _step(_model(), ids)

@@ -65,10 +65,11 @@ def prepare(model, variant: str, tokens: int | None = None):
 
 def offloadable_layers(model, tokens: int | None, reserve_bytes: float | None = None) -> int:
     """How many decoder layers' checkpoint inputs (``tokens`` · hidden · 2 bytes each) the host
-    memory holds, less ``reserve_bytes`` (default ``HOST_RESERVE_BYTES``) for the process and the data: every layer where it can."""
-    from ...long_context import HOST_RESERVE_BYTES, host_memory_available
+    memory holds, less ``reserve_bytes`` (default ``default_host_reserve()``, what the offload
+    itself keeps free) for the process and the data: every layer where it can."""
+    from ...long_context import default_host_reserve, host_memory_available
 
-    reserve_bytes = HOST_RESERVE_BYTES if reserve_bytes is None else reserve_bytes
+    reserve_bytes = default_host_reserve() if reserve_bytes is None else reserve_bytes
     config = model.config.get_text_config()
     layers = config.num_hidden_layers
     host = host_memory_available()
