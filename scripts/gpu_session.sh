@@ -15,7 +15,8 @@
 #   bash scripts/gpu_session.sh peers      # PEFT + Liger, axolotl's recipe, PEFT at 9B/32k
 #   bash scripts/gpu_session.sh ablation   # PEFT with one optimization at a time, 9B/32k (ablation.csv)
 #   bash scripts/gpu_session.sh big        # q35lab and PEFT + Liger at 27B/16k and 35B-A3B/8k
-#   bash scripts/gpu_session.sh packed     # the SFT length mix at 32k: q35lab packed, both padded
+#   bash scripts/gpu_session.sh packed     # the SFT length mix at 32k: q35lab packed (with and without
+#                                          # the varlen attention), both padded
 #   bash scripts/gpu_session.sh flex       # the packed row under flex attention, q35lab and PEFT + Liger
 #   bash scripts/gpu_session.sh fsdp       # q35lab and PEFT + Liger under FSDP2 on every GPU of the machine
 #                                          # (world size 1 on one H200: the sharded code path, measured)
@@ -61,6 +62,7 @@ case $stage in
     # varlen (cu_seqlens) is a new fla autotuning key: the first packed run tunes it (~130 s on a
     # fresh machine, as the first one-sequence step did); PEFT + Liger's packed row is from 347224a
     e2e 240 q35lab 32768 --size 9b --steps 2 --batch packed
+    e2e 120 q35lab-varlen_attention 32768 --size 9b --steps 2 --batch packed  # SDPA's dense mask instead
     for v in q35lab peft+liger; do e2e 150 $v 32768 --size 9b --steps 2 --batch padded; done
     ;;
   flex)

@@ -223,6 +223,20 @@ def test_unknown_variant_is_refused():
         e2e.prepare(_model(), "fastest")
 
 
+@pytest.mark.parametrize("flag", ["lora", "varlen_attention"])
+def test_one_optimization_alone_or_all_but_one(flag):
+    """"q35lab:<flag>" turns on that optimization only, "q35lab-<flag>" every one but it (the
+    packed step with and without the varlen attention, say)."""
+    from q35lab import packed_attention
+
+    only, but = e2e.prepare(_model(), f"q35lab:{flag}"), e2e.prepare(_model(), f"q35lab-{flag}")
+    others = [f for f in e2e.ALL_FLAGS if f != flag]
+    unavailable = set() if packed_attention.varlen_attention_function() else {"varlen_attention"}  # torch < 2.9
+    assert set(only.not_applied) == set(others) | (unavailable & {flag})
+    assert all(only.not_applied[f] == "disabled by the caller" for f in others)
+    assert set(but.not_applied) == {flag} | unavailable and but.not_applied[flag] == "disabled by the caller"
+
+
 def test_long_context_variants_tile_the_mlps_and_offload_what_the_host_holds(monkeypatch):
     from q35lab.bench.e2e import variants
 

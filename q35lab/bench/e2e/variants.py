@@ -29,6 +29,7 @@ VARIANTS = {
                           "axolotl's LoRA_MLP, bound later, replaces its forward (see _axolotl_patches)",
     "q35lab": "PEFT + q35lab.apply_to_qwen3_5, every optimization",
     **{f"q35lab:{flag}": f"PEFT + q35lab, only {flag}" for flag in ALL_FLAGS},
+    **{f"q35lab-{flag}": f"PEFT + q35lab, every optimization but {flag}" for flag in ALL_FLAGS},
     **LONG_CONTEXT,
 }
 
@@ -59,8 +60,17 @@ def prepare(model, variant: str, tokens: int | None = None):
         if variant != "q35lab+tiled":
             options["offload_checkpoints"] = offloadable_layers(model, tokens)
         return apply_to_qwen3_5(model, **options)
-    flags = dict.fromkeys(ALL_FLAGS, True) if variant == "q35lab" else {f: f == variant.split(":")[1] for f in ALL_FLAGS}
-    return apply_to_qwen3_5(model, **flags)
+    return apply_to_qwen3_5(model, **_flags(variant))
+
+
+def _flags(variant: str) -> dict:
+    """apply_to_qwen3_5's flags for "q35lab" (all), "q35lab:<flag>" (that one only) and
+    "q35lab-<flag>" (all but that one)."""
+    if variant.startswith("q35lab:"):
+        return {f: f == variant.split(":", 1)[1] for f in ALL_FLAGS}
+    if variant.startswith("q35lab-"):
+        return {f: f != variant.split("-", 1)[1] for f in ALL_FLAGS}
+    return dict.fromkeys(ALL_FLAGS, True)
 
 
 def offloadable_layers(model, tokens: int | None, reserve_bytes: float | None = None) -> int:
