@@ -430,6 +430,11 @@ _CACHE_ARGUMENTS = ("cache", "cache_params", "past_key_values")
 _PACKING_ARGUMENTS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")
 
 
+def _has_cache(kwargs: dict) -> bool:
+    """Whether a forward's keyword arguments hand it a cache."""
+    return any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS)
+
+
 def _is_gated_delta_net(module: torch.nn.Module) -> bool:
     from .patch import _is_gated_delta_net as is_gdn
 
@@ -715,12 +720,12 @@ class TiledGDNForward(_TiledForward):
             return "no grad"
         if getattr(self.module.conv1d, "_hf_hook", None) is not None:
             return "accelerate hooks"
-        why = None
-        if any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS):
+        why, packed = None, _packed(kwargs)
+        if _has_cache(kwargs):
             why = ("a cache was passed (generation, or use_cache=True in a forward without gradient checkpointing: "
                    "pass use_cache=False)")
-        elif _packed(kwargs):
-            why = f"packed sequences ({_packed(kwargs)}) do not line up with tiles"
+        elif packed:
+            why = f"packed sequences ({packed}) do not line up with tiles"
         if why:
             warnings.warn(f"q35lab: tiled GatedDeltaNet ({self.tile_tokens} tokens a tile) runs untiled here: {why}; "
                           "its backward then holds the whole sequence's working set", stacklevel=3)

@@ -42,9 +42,10 @@ def varlen_attention_function():
     return varlen_attn
 
 
+@functools.cache
 def _causal_keyword(function) -> dict:
     """The keyword that makes ``varlen_attn`` causal: ``window_size=(-1, 0)`` (newer torch) or
-    ``is_causal=True`` (the first releases)."""
+    ``is_causal=True`` (the first releases). Read once per function, not per call."""
     parameters = inspect.signature(function).parameters
     if "window_size" in parameters:
         return {"window_size": (-1, 0)}
@@ -52,6 +53,12 @@ def _causal_keyword(function) -> dict:
         return {"is_causal": True}
     raise RuntimeError("q35lab: this torch's varlen_attn takes neither window_size nor is_causal; "
                        f"its signature: {inspect.signature(function)}")
+
+
+@functools.cache
+def _takes_grouped_heads(function) -> bool:
+    """Whether ``varlen_attn`` says it takes fewer key/value heads than query heads (``enable_gqa``)."""
+    return "enable_gqa" in inspect.signature(function).parameters
 
 
 def register() -> None:
@@ -90,7 +97,7 @@ def varlen_attention(module, query, key, value, cu_seq_lens, max_length, scaling
         raise ValueError(f"query: {heads} heads is not a multiple of the {kv_heads} key/value heads")
     options = {"scale": scaling, **_causal_keyword(function)}
     if kv_heads != heads:  # one key/value head per group of query heads
-        if "enable_gqa" in inspect.signature(function).parameters:
+        if _takes_grouped_heads(function):
             options["enable_gqa"] = True
         else:  # (a torch whose varlen_attn does not say it takes fewer key/value heads)
             key = key.repeat_interleave(heads // kv_heads, dim=1)

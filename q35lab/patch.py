@@ -817,7 +817,7 @@ class _PackedBoundaries:
     def __call__(self, module, args, kwargs):
         positions = kwargs.get("position_ids")
         if (positions is None or "cu_seq_lens_q" in kwargs or positions.dim() != 2 or positions.shape[0] != 1
-                or kwargs.get("attention_mask") is not None or _has_cache(kwargs)):
+                or kwargs.get("attention_mask") is not None or long_context._has_cache(kwargs)):
             return None
         starts = torch.nonzero(positions[0] == 0).flatten().tolist()  # the one sync
         edges = sorted({0, *starts, positions.shape[1]})
@@ -840,48 +840,43 @@ def _packed_boundaries() -> _PackedBoundaries:
 ATTENTION_CLASSES = ("Qwen3_5Attention", "Qwen3_5MoeAttention")
 
 
-def _attention_layers(model: torch.nn.Module) -> list:
-    """The model's full-attention modules (text decoder) that read their implementation from a config."""
+def _attention_layers(model: torch.nn.Module, implementation: str | None = None) -> list:
+    """The model's full-attention modules (text decoder) that read their implementation from a
+    config; with ``implementation``, those set to it."""
     return [m for m in model.modules() if type(m).__name__ in ATTENTION_CLASSES
-            and type(m).__module__.startswith("transformers.") and getattr(m, "config", None) is not None]
+            and type(m).__module__.startswith("transformers.") and getattr(m, "config", None) is not None
+            and (implementation is None or getattr(m.config, "_attn_implementation", None) == implementation)]
 
 
-def _attention_configs(model: torch.nn.Module, implementation: str) -> list:
-    """The configs (each once) of the full-attention layers set to ``implementation``."""
-    configs = {id(m.config): m.config for m in _attention_layers(model)
-               if getattr(m.config, "_attn_implementation", None) == implementation}
-    return list(configs.values())
+def _switch_attention(layers: list, implementation: str) -> None:
+    for config in {id(m.config): m.config for m in layers}.values():  # layers share their config
+        config._attn_implementation = implementation
 
 
 def _patch_attention(model: torch.nn.Module, report: "PatchReport") -> None:
     layers = _attention_layers(model)
     on_sdpa = [m for m in layers if m.config._attn_implementation == "sdpa"]
+    switched = [m for m in layers if m.config._attn_implementation == packed_attention.NAME]
     others = {str(m.config._attn_implementation) for m in layers} - {"sdpa", packed_attention.NAME}
     if not on_sdpa:
         if others:
             report.not_applied["varlen_attention"] = (f"the attention runs {', '.join(sorted(others))}, not "
                                                       "transformers' SDPA: left as it is")
-        report.already_patched += len(layers) - sum(str(m.config._attn_implementation) in others for m in layers)
+        report.already_patched += len(switched)
         return
     if packed_attention.varlen_attention_function() is None:
         report.not_applied["varlen_attention"] = packed_attention.describe()
         return
     packed_attention.register()
-    for config in _attention_configs(model, "sdpa"):
-        config._attn_implementation = packed_attention.NAME
+    _switch_attention(on_sdpa, packed_attention.NAME)
     report.replaced[f"{type(on_sdpa[0]).__name__} (SDPA; packed rows: varlen flash attention)"] += len(on_sdpa)
 
 
 def _unpatch_attention(model: torch.nn.Module, report: "PatchReport") -> None:
-    switched = [m for m in _attention_layers(model) if m.config._attn_implementation == packed_attention.NAME]
-    for config in _attention_configs(model, packed_attention.NAME):
-        config._attn_implementation = "sdpa"
+    switched = _attention_layers(model, packed_attention.NAME)
+    _switch_attention(switched, "sdpa")
     if switched:
         report.reverted[f"{type(switched[0]).__name__} (SDPA)"] += len(switched)
-
-
-def _has_cache(kwargs: dict) -> bool:
-    return any(kwargs.get(name) is not None for name in ("past_key_values", "cache", "cache_params"))
 
 
 def _derive_packed_boundaries(model: torch.nn.Module) -> None:
@@ -902,7 +897,7 @@ def _record_what_runs(model: torch.nn.Module, report: "PatchReport") -> None:
         report.runs["delta-rule core"] = _delta_rule_core(layers[0])
         report.runs["causal conv1d"] = _causal_conv(layers[0])
         report.runs["packed batches"] = _packing(layers[0])
-    if _attention_configs(model, packed_attention.NAME):
+    if _attention_layers(model, packed_attention.NAME):
         report.runs["packed full attention"] = packed_attention.describe()
 
 

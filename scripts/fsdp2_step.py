@@ -44,7 +44,7 @@ if importlib.util.find_spec("q35lab") is None:  # not installed: the checkout's,
 from q35lab.bench.core import run_info  # noqa: E402  (imports q35lab first: compiled Triton or the interpreter)
 from q35lab.bench.e2e.model import SIZES, build  # noqa: E402
 from q35lab.bench.e2e.step import measure  # noqa: E402
-from q35lab.bench.e2e.variants import VARIANTS, prepare  # noqa: E402
+from q35lab.bench.e2e.variants import VARIANTS, prepare, report_text  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -98,7 +98,7 @@ def _row(args, model, report, measured: list[dict], world: int, backend: str) ->
         "peak_gib": max(m["peak_gib"] for m in measured), "peak_gib_per_rank": [m["peak_gib"] for m in measured],
         "host_peak_gib_per_rank": [m["host_peak_gib"] for m in measured],
         "loss": losses[0][-1], "losses_per_rank": losses,
-        "report": " ".join(str(report).split())[:2000] if report else "",
+        "report": report_text(report),
         **run_info(),
     }
 

@@ -42,7 +42,7 @@ from .floor import floor_inputs, step_floor
 from .memory import memory_at_peak, out_of_memory_note
 from .model import SIZES, build
 from .step import measure, measure_layer
-from .variants import VARIANTS, prepare
+from .variants import VARIANTS, prepare, report_text
 
 
 def _sizes(args):
@@ -126,7 +126,7 @@ def _one_variant(args) -> None:
                "layers": model.config.get_text_config().num_hidden_layers, "rank": args.rank,
                **({"batch": args.batch} if args.batch else {}), **({"attention": args.attention} if args.attention else {})}
         row = {**key, "status": "skipped" if missing else "ok", "note": missing,
-               "report": " ".join(str(report).split())[:2000] if report else ""}
+               "report": report_text(report)}
         if not missing:
             row.update(_measured(model, T, args))
         row.update(info)
@@ -226,6 +226,8 @@ def _merge_lines(lines: Path, csv: Path, last_line_wins: bool = False) -> None:
 
 #: Columns of a row's key beyond (variant, T, size, layers) that only some rows set.
 KEY_EXTRAS = ("batch", "attention")
+#: A row's key: the rows of one key replace each other.
+KEY = ("variant", "T", "size", "layers", *KEY_EXTRAS)
 
 
 def merge_rows(path: Path, rows: list[dict], last_line_wins: bool = False):
@@ -240,21 +242,21 @@ def merge_rows(path: Path, rows: list[dict], last_line_wins: bool = False):
             frame["T"] = frame["T"].astype("Int64")
         return frame
 
-    new = integer_sizes(pd.DataFrame(rows))
-    for column in KEY_EXTRAS:  # a packed or padded row (or another attention's) never replaces a row of one sequence
-        if column not in new.columns:
-            new[column] = math.nan
-    own = [c for c in ("variant", "T", "size", "layers", *KEY_EXTRAS) if c in new.columns]
+    def with_key_columns(frame):  # a packed or padded row (or another attention's) never replaces a row of one sequence
+        for column in KEY_EXTRAS:
+            if column not in frame.columns:
+                frame[column] = math.nan
+        return frame
+
+    new = with_key_columns(integer_sizes(pd.DataFrame(rows)))
+    own = [c for c in KEY if c in new.columns]
     if last_line_wins:
         new = new.loc[~new[own].astype(str).duplicated(keep="last")]
     if not path.exists() or path.stat().st_size == 0:
         return new.reset_index(drop=True)
-    old = integer_sizes(read_csv(path))
-    for column in KEY_EXTRAS:
-        if column not in old.columns:
-            old[column] = math.nan
+    old = with_key_columns(integer_sizes(read_csv(path)))
     # a row is (variant, T, batch, attention) of one model: its size and layers where both frames record them
-    key = [c for c in ("variant", "T", "size", "layers", *KEY_EXTRAS) if c in old.columns and c in new.columns]
+    key = [c for c in KEY if c in old.columns and c in new.columns]
     if {"variant", "T"} <= set(key):
         measured = set(new[key].astype(str).itertuples(index=False, name=None))
         old = old[[k not in measured for k in old[key].astype(str).itertuples(index=False, name=None)]]

@@ -285,12 +285,14 @@ def core_call(model, tokens: int = 64) -> dict | None:
     where set, else its modeling module's ``torch_chunk_gated_delta_rule``), the (heads, dim) of q,
     k and v as passed (some versions repeat q and k to the value heads first), and the keyword
     arguments other than the tensors and the recurrent state. None without such a layer."""
-    gdn = next((m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
+    from ...long_context import _is_gated_delta_net, _modeling_module
+
+    gdn = next((m for m in model.modules() if _is_gated_delta_net(m)), None)
     if gdn is None:
         return None
-    module = sys.modules[type(gdn).__module__]
+    # where long_context._core_function looks: the layer's own attribute, else its modeling module's
     owners = [(gdn, "chunk_gated_delta_rule")] if callable(vars(gdn).get("chunk_gated_delta_rule")) else []
-    owners.append((module, "torch_chunk_gated_delta_rule"))
+    owners.append((_modeling_module(gdn), "torch_chunk_gated_delta_rule"))
     seen = []
 
     def recorder(function):

@@ -63,6 +63,11 @@ def prepare(model, variant: str, tokens: int | None = None):
     return apply_to_qwen3_5(model, **_flags(variant))
 
 
+def report_text(report) -> str:
+    """A patch report as a CSV row keeps it: one line, at most 2000 characters ("" for none)."""
+    return " ".join(str(report).split())[:2000] if report else ""
+
+
 def _flags(variant: str) -> dict:
     """apply_to_qwen3_5's flags for "q35lab" (all), "q35lab:<flag>" (that one only) and
     "q35lab-<flag>" (all but that one)."""
