@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import q35lab
-from q35lab.numerics import assert_close_by_rule
+from q35lab.numerics import ATOL, assert_close_by_rule
 from q35lab.ops import linear_cross_entropy as lce_op
 from q35lab.ops.linear_cross_entropy import (
     LaunchConfig, default_chunk_size, launch_config, linear_cross_entropy, linear_cross_entropy_ref,
@@ -38,6 +38,8 @@ def _check(shape, vocab, dtype, reduction, chunk_size, ignored=0.2, logit_scale=
     for name, a, b, c in zip(["loss", "dx", "dW"], out, ref, ref64):
         # logits of hundreds: rounding is relative, so the absolute slack scales with the values
         atol = 4 * torch.finfo(dtype).eps * c.abs().max().item() if relative_atol else None
+        if atol is None and name == "loss":  # a sum over tokens grows with them, and so does its rounding
+            atol = ATOL[dtype] * max(1.0, c.abs().max().item())  # (the fp32 sum of 13 tokens: 1.7e-5 off at 117)
         assert_close_by_rule(name, a.to(b.dtype), b, c, atol)
     return out
 
