@@ -239,10 +239,13 @@ def test_linear_cross_entropy_check_has_real_bounds(dtype):
     from q35lab.bench import linear_cross_entropy as lce
 
     rows = lce.check(5, runtime.device(), dtype)
-    assert [(r["impl"], r["tensor"]) for r in rows] == [("q35lab", "loss"), ("q35lab", "dx")]
-    for r in rows:  # below 1e-2: the loss is ~7, dx's entries ~1e-2 (bf16's absolute atol alone)
+    ours = [r for r in rows if r["impl"] == "q35lab"]
+    assert [(r["impl"], r["tensor"]) for r in rows[:2]] == [("q35lab", "loss"), ("q35lab", "dx")] and len(ours) == 2
+    for r in ours:  # below 1e-2: the loss is ~7, dx's entries ~1e-2 (bf16's absolute atol alone)
         assert 0 < r["bound"] < 1e-2 and r["kernel_err"] <= r["bound"] and r["ok"] is True
-        assert math.isfinite(r["rel_err"]) and r["reference"] == "fp64"
+    for r in rows:  # the peers (on a GPU, where their kernels run) are measured by the same rule: reported, not judged
+        assert math.isfinite(r["rel_err"]) and math.isfinite(r["kernel_err"]) and r["reference"] == "fp64"
+    assert {r["impl"] for r in rows} == {"q35lab"} or runtime.device().type == "cuda"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -252,7 +255,7 @@ def test_linear_cross_entropy_check_fails_a_wrong_result(monkeypatch, dtype, wro
 
     monkeypatch.setattr(lce, "linear_cross_entropy", _wrong_loss(wrong))
     rows = lce.check(5, runtime.device(), dtype)
-    assert {r["tensor"] for r in rows if not r["ok"]} == failing
+    assert {r["tensor"] for r in rows if r["impl"] == "q35lab" and not r["ok"]} == failing
 
 
 def test_data_folder_is_the_argument_then_the_environment_then_the_checkout(monkeypatch, tmp_path):

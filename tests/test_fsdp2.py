@@ -169,7 +169,8 @@ def _rank_results(rank: int, seed: int) -> dict:
     ids = _inputs(seed)[rank]
     results = {"unpatched": _two_steps(_model(seed), ids, fused_calls),
                "unpatched64": _two_steps(_model(seed, torch.float64), ids, fused_calls),
-               "lora_names": _lora_names(_model(seed)), "configs": {}}
+               "lora_names": _lora_names(_model(seed)), "configs": {},
+               "device": (str(q35lab.runtime.device()), torch.cuda.is_available())}
     for name, flags in CONFIGS.items():
         single = _model(seed)
         q35lab.apply_to_qwen3_5(single, **flags)
@@ -219,14 +220,36 @@ def _logs(out: Path) -> str:
     return "\n".join(parts)
 
 
+#: What the ranks' environment sets: no GPU, and the Triton interpreter (a GPU machine runs this
+#: file's CPU test like any other; its GPU path is measured by scripts/fsdp2_step.py)
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": "", "Q35LAB_INTERPRET": "1"}
+
+
+def _spawn_on_the_cpu(worker, args):
+    """``mp.spawn`` of the ranks with ``CPU_ONLY`` in their environment (a spawned process reads
+    it when it starts, before it imports torch or q35lab); this process's own is left as it was."""
+    import torch.multiprocessing as mp
+
+    saved = {name: os.environ.get(name) for name in CPU_ONLY}
+    os.environ.update(CPU_ONLY)
+    try:
+        return mp.spawn(worker, args=args, nprocs=WORLD, join=False)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 @pytest.fixture(scope="module")
 def fsdp_results(tmp_path_factory):
-    import torch.multiprocessing as mp
+    import torch.multiprocessing as mp  # (its exceptions, below)
 
     seed = int(os.environ.get("Q35LAB_FSDP_SEED", random.randrange(2**31)))
     out = tmp_path_factory.mktemp("fsdp2")
     store = out / "store"  # a FileStore: no TCP port to pick, none to collide with another worker's
-    context = mp.spawn(_worker, args=(str(store), str(out), seed), nprocs=WORLD, join=False)
+    context = _spawn_on_the_cpu(_worker, (str(store), str(out), seed))
     deadline, failure = time.monotonic() + DEADLINE_S, None
     try:
         while not context.join(timeout=max(1.0, deadline - time.monotonic())):
@@ -314,6 +337,7 @@ def test_fsdp2_shards_the_lora_gradients_and_runs_the_fused_paths(fsdp_results, 
     seed, ranks = fsdp_results
     flags = CONFIGS[config]
     for rank, r in enumerate(ranks):
+        assert r["device"] == ("cpu", False), f"rank {rank} saw {r['device']}: CPU_ONLY did not reach it"
         result = r["configs"][config]
         replaced = result["replaced"]
         assert ("Qwen3_5GatedDeltaNet in_proj (4 projections, 1 node)" in replaced) == flags.get("in_proj", True), \
