@@ -62,14 +62,17 @@ def gpu_slug(name: str | None = None) -> str:
 
 def _git_commit() -> str:
     """Q35LAB_COMMIT when set (a copy of the tree on another machine may carry stale git
-    metadata), else the checkout's short hash, marked +dirty with uncommitted changes."""
+    metadata), else the checkout's short hash, marked +dirty with uncommitted changes outside
+    ``data/`` and ``notebooks/`` (what the measurements themselves write: a run's second
+    measurement is of the same code as its first)."""
     if os.environ.get("Q35LAB_COMMIT"):
         return os.environ["Q35LAB_COMMIT"]
     here = Path(__file__).resolve().parent
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
         commit = out.stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":/",
+                                ":(top,exclude)data", ":(top,exclude)notebooks"], cwd=here,
                                capture_output=True, text=True, timeout=5).stdout.strip()
         return (commit + ("+dirty" if dirty else "")) if commit else "unknown"
     except (OSError, subprocess.SubprocessError):
