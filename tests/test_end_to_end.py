@@ -591,9 +591,10 @@ def _profile_of_a_step():
 
     clock = itertools.count()
 
-    def cpu(name, parent=None, id=0, seq=-1, thread=1, fwd_thread=0):
+    def cpu(name, parent=None, id=0, seq=-1, thread=1, fwd_thread=0, shapes=()):
         return types.SimpleNamespace(name=name, device_type=DeviceType.CPU, cpu_parent=parent, id=id, sequence_nr=seq,
                                      thread=thread, fwd_thread=fwd_thread, stack=[], self_cpu_time_total=0.0,
+                                     input_shapes=[list(s) for s in shapes],
                                      time_range=types.SimpleNamespace(start=next(clock)), linked_correlation_id=0)
 
     def frames(*names):  # outermost first, as the calls were made
@@ -614,7 +615,8 @@ def _profile_of_a_step():
                                                         "sdpa_attention_forward"), id=77)
     node = cpu("autograd::engine::evaluate_function: CumsumBackward0", seq=9, thread=2, fwd_thread=1)
     cast = cpu("aten::copy_", cpu("aten::_to_copy", cpu("autograd::engine::evaluate_function: ToCopyBackward0",
-                                                        seq=50, thread=2, fwd_thread=1)))
+                                                        seq=50, thread=2, fwd_thread=1), shapes=[(4096, 16), ()]),
+               shapes=[(4096, 16), (4096, 16)])
     launches = [
         cpu("cudaLaunchKernel", cpu("aten::mm", model, seq=7), id=101),
         cpu("cuLaunchKernel", frames("/site-packages/q35lab/ops/swiglu.py(210): swiglu"), id=102),
@@ -658,6 +660,11 @@ def test_the_breakdown_groups_device_time_by_category_and_names_the_launching_co
     assert sources["q35lab kernels"] == {"q35lab:swiglu.swiglu": 0.1}
     assert sources["copies/casts"] == {"backward: ToCopyBackward0": 0.15}  # a node whose forward op is unknown
     assert sources["other elementwise"] == {"axolotl:swiglu.swiglu_forward": 0.05, "no Python frame": 0.01}
+    # what each kernel was for, by the outermost aten op that queued it and its inputs' shapes ("": no aten op)
+    calls = {c: json.loads(r["aten_calls"]) for c, r in rows.items()}
+    assert calls["copies/casts"] == {"aten::_to_copy [[4096, 16]]": 0.15}  # the cast, not the copy_ inside it
+    assert calls["delta rule"] == {"aten::cumsum": 0.08, "aten::flip": 0.07}  # no shapes recorded: the name alone
+    assert calls["other elementwise"] == {"": 0.06} and calls["GEMM"] == {}
     coarse = {r["category"]: json.loads(r["sources"]) for r in e2e.breakdown(_profile_of_a_step(), threshold=0.1)}
     assert coarse["attention"] == {} and len(coarse["delta rule"]) == 2  # 4% is below the threshold, 15% above
 
@@ -681,6 +688,8 @@ def test_breakdown_writes_one_row_per_category_beside_the_floor(tmp_path):
     assert (categories.sdpa_layer_ms > 0).all() and (categories.core_layer_ms > 0).all()
     assert (categories.floor_gemm_tflop > 0).all()
     delta = json.loads(categories.set_index("category").loc["delta rule", "sources"])
+    assert json.loads(categories.set_index("category").loc["delta rule", "aten_calls"])  # the ops, with shapes
+    assert (categories.step_ms == steps.step_ms[0]).all()  # the timed step of the same process, beside its floor
     if torch.cuda.is_available():  # the ceilings measured, fla's kernels (or the PyTorch fallback's) named
         assert (categories.floor_total_ms > 0).all() and delta
     else:  # no ceilings on a CPU; the fallback's aten ops stand in for the kernels

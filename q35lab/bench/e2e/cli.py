@@ -86,9 +86,10 @@ def _breakdown_lines(out) -> Path:
     return Path(out).with_name("step_breakdown.jsonl")
 
 
-def _breakdown(model, T: int, args, key: dict) -> dict:
+def _breakdown(model, T: int, args, key: dict, step_ms: float) -> dict:
     """``--breakdown``: one more step profiled, its categories and the floor's terms appended as
-    rows to ``step_breakdown.jsonl``; returns what the step's row records of them."""
+    rows to ``step_breakdown.jsonl`` with the timed step (``step_ms``) of the same process; returns
+    what the step's row records of them."""
     try:  # an extra, optional look: its failure must not cost the measured row
         rows = breakdown(profile_step(model, T, compile=args.compile))
         rates = floor_inputs(model, T)
@@ -96,7 +97,7 @@ def _breakdown(model, T: int, args, key: dict) -> dict:
     except Exception as exc:  # out of memory included
         return {"note": f"breakdown failed: {type(exc).__name__}: {exc}"[:300]}
     device_ms = sum(row["ms"] for row in rows)
-    beside = {"device_ms": device_ms, **{f"floor_{term}": value for term, value in floor.items()},
+    beside = {"step_ms": step_ms, "device_ms": device_ms, **{f"floor_{term}": value for term, value in floor.items()},
               "matmul_tflops": rates["matmul_tflops"], "copy_gbps": rates["copy_gbps"],
               "sdpa_layer_ms": rates["sdpa_ms"], "core_layer_ms": rates["core_ms"]}  # (floor_gemm_at_shapes_ms among the floor's)
     with open(_breakdown_lines(args.out), "a") as f:
@@ -132,7 +133,7 @@ def _one_variant(args) -> None:
         row.update(info)
         if args.breakdown and args.what == "step" and T in args.T and row["status"] == "ok":
             _write_line(args.out, row)  # the step's row first: a breakdown cut short must not take it along
-            looked = _breakdown(model, T, args, {**key, **info})
+            looked = _breakdown(model, T, args, {**key, **info}, row["step_ms"])
             row.update(looked, note="; ".join(filter(None, (row["note"], looked.get("note")))))
         if device.type == "cuda":
             torch.cuda.empty_cache()

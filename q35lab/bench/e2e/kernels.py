@@ -119,11 +119,15 @@ class _Launchers:
                 self.by_sequence[e.thread, e.sequence_nr].append(e)
         self.forward = {}  # (thread, sequence number) -> the frames of the first of them with named frames
 
-    def of_kernel(self, kernel) -> tuple[list[str], str | None]:
+    def launcher(self, kernel):
+        """The CPU event that queued a kernel (its runtime call, else the op linked to it), or None."""
         # 0: linked to nothing (and the id of Python events); torch < 2.12's events have no such field,
         # so there a kernel is named only through its runtime call
         linked = getattr(kernel, "linked_correlation_id", 0)
-        return self.of_op(self.runtime.get(kernel.id) or (self.ops.get(linked) if linked > 0 else None))
+        return self.runtime.get(kernel.id) or (self.ops.get(linked) if linked > 0 else None)
+
+    def of_kernel(self, kernel) -> tuple[list[str], str | None]:
+        return self.of_op(self.launcher(kernel))
 
     def of_op(self, op) -> tuple[list[str], str | None]:
         """(frames, autograd node or None) of a CPU event (None: unknown launcher)."""
@@ -153,9 +157,21 @@ def source(frames: list[str], node: str | None) -> str:
     return "other Python" if frames else "no Python frame"
 
 
+def aten_call(event) -> str:
+    """The outermost aten op around a CPU event, with its inputs' shapes where the profiler recorded
+    them (``record_shapes=True``): "aten::contiguous [[32768, 16, 128]]". It says what a kernel
+    was for where no Python frame names its source (a copy is launched by ``aten::copy_`` inside
+    ``aten::to``, ``aten::contiguous``, ``aten::repeat_interleave``, ...); "" for no aten op."""
+    ops = [e for e in _chain(event) if e.name.startswith("aten::")]
+    if not ops:
+        return ""
+    shapes = [list(s) for s in (ops[-1].input_shapes or []) if s]
+    return f"{ops[-1].name} {shapes}" if shapes else ops[-1].name
+
+
 def _kernels(events):
-    """(name, µs, frames, node) of every kernel of a profile. A profile without device events (a
-    CPU run) yields its aten ops with their self time instead, through the same attribution."""
+    """(name, µs, frames, node, aten call) of every kernel of a profile. A profile without device
+    events (a CPU run) yields its aten ops with their self time instead, through the same attribution."""
     from torch.autograd import DeviceType
 
     cpu = [e for e in events if e.device_type == DeviceType.CPU]
@@ -163,34 +179,42 @@ def _kernels(events):
     launchers = _Launchers(cpu)
     if device:
         for kernel in device:
-            yield kernel.name, kernel.device_time, *launchers.of_kernel(kernel)
+            op = launchers.launcher(kernel)
+            yield kernel.name, kernel.device_time, *launchers.of_op(op), aten_call(op) if op is not None else ""
         return
     for op in cpu:
         if op.name.startswith("aten::") and op.self_cpu_time_total > 0:
-            yield op.name, op.self_cpu_time_total, *launchers.of_op(op)
+            yield op.name, op.self_cpu_time_total, *launchers.of_op(op), aten_call(op)
 
 
 def breakdown(profiler_events, top: int = 3, threshold: float = 0.01) -> list[dict]:
     """One row per category (``CATEGORIES``, all of them): its device time (ms), its share of
     the step's, and for each category but GEMM above ``threshold`` of the step its ``top``
-    launching sources (``source``) with their ms, as JSON.
+    launching sources (``source``) and its ``top`` + 2 aten calls (``aten_call``: "" where the
+    launcher is unknown) with their ms, as JSON (``sources``, ``aten_calls``).
 
     ``profiler_events``: ``prof.events()`` of a ``torch.profiler.profile(activities=[CPU, CUDA],
     with_stack=True)``; on a CPU, of a CPU-only profile (aten ops stand in for kernels)."""
     time = collections.Counter()
     sources = collections.defaultdict(collections.Counter)
-    for name, us, frames, node in _kernels(profiler_events):
+    calls = collections.defaultdict(collections.Counter)
+    for name, us, frames, node, call in _kernels(profiler_events):
         category = _category(name, frames)
         time[category] += us
         sources[category][source(frames, node)] += us
+        calls[category][call] += us
+
+    def top_ms(counter, n):
+        return json.dumps({key: round(us / 1e3, 3) for key, us in counter.most_common(n)})
+
     total = sum(time.values())
     rows = []
     for category in CATEGORIES:
         share = time[category] / total if total else 0.0
         named = category != "GEMM" and share > threshold
         rows.append({"category": category, "ms": time[category] / 1e3, "share": share,
-                     "sources": json.dumps({s: round(us / 1e3, 3) for s, us in sources[category].most_common(top)}
-                                           if named else {})})
+                     "sources": top_ms(sources[category], top) if named else "{}",
+                     "aten_calls": top_ms(calls[category], top + 2) if named else "{}"})
     return rows
 
 
@@ -213,7 +237,7 @@ def profile_step(model, T: int, lr: float = 1e-4, compile: bool = False):
     for attempt in range(2):
         if device.type == "cuda":
             torch.cuda.synchronize()
-        with profile(activities=activities, with_stack=True) as prof:
+        with profile(activities=activities, with_stack=True, record_shapes=True) as prof:
             train_step(step_model, optimizer, ids)
             if device.type == "cuda":
                 torch.cuda.synchronize()
