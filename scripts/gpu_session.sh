@@ -42,9 +42,9 @@ case $stage in
            bash scripts/gpu_run.sh ;;
   step) e2e 300 q35lab 32768 --size 9b --steps 2 --breakdown ;;  # fla's autotuning, 3 steps, the profiled one:
                                                                  # ~200 s on a fresh machine
-  peers)
-    e2e 130 peft+liger 32768 --size 9b --steps 2
-    e2e 240 peft+liger+axolotl 32768 --size 9b --steps 2  # its first step was still in backward at 110 s (a047ce5)
+  peers)  # on a fresh machine without .triton-autotune: axolotl's first step 188 s, PEFT + Liger's > 130 s (38249b1)
+    e2e 200 peft+liger 32768 --size 9b --steps 2
+    e2e 240 peft+liger+axolotl 32768 --size 9b --steps 2
     e2e 140 peft 32768 --size 9b --steps 2
     ;;
   ablation)  # ablation.csv: PEFT with one optimization at a time, beside PEFT, PEFT + Liger and all of q35lab
@@ -54,9 +54,11 @@ case $stage in
       E2E_OUT=ablation.csv e2e 110 $v 32768 --size 9b --steps 1
     done
     ;;
-  big)
-    e2e 200 "q35lab peft+liger" 16384 --size 27b --steps 2
-    e2e 200 "q35lab peft+liger" 8192 --size 35b-a3b --steps 2
+  big)  # a new size is new autotuning keys for fla: q35lab's 27B run was still in its first step at 220 s (38249b1)
+    e2e 330 q35lab 16384 --size 27b --steps 2
+    e2e 150 peft+liger 16384 --size 27b --steps 2
+    e2e 330 q35lab 8192 --size 35b-a3b --steps 2
+    e2e 150 peft+liger 8192 --size 35b-a3b --steps 2
     ;;
   packed)
     # varlen (cu_seqlens) is a new fla autotuning key: the first packed run tunes it (~130 s on a
