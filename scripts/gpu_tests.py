@@ -25,7 +25,8 @@ OUTCOME = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|deselected)"
 
 def run_file(path: Path, limit: float, logs: Path) -> dict:
     start = time.perf_counter()
-    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-o", "addopts=", "--durations=3", str(path)]
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider", "-o", "addopts=", "--durations=3",
+           str(path)]  # -rs: why each skipped test skipped (a module the GPU machine lacks)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
         text, status = proc.stdout + proc.stderr, "ok" if proc.returncode == 0 else f"rc {proc.returncode}"
