@@ -227,6 +227,76 @@ def test_backward_leaves_an_activation_that_another_node_saved():
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
 
 
+def _fused_gate_up(x, width, extra=0):
+    """gate and up (and an ``extra``-wide third block if asked) as the patched MLP gets them: the
+    column blocks of one fused GEMM's output, each a tensor of its own on the one buffer."""
+    from q35lab.ops.fused_projections import Projection, fused_lora_projections
+
+    widths = [width, width] + ([extra] if extra else [])
+    weights = [torch.randn(n, x.shape[-1], device=x.device, dtype=x.dtype) for n in widths]
+    return fused_lora_projections(x, [Projection(w) for w in weights]), weights
+
+
+@pytest.mark.parametrize("rows, width", [(5, 37), (1, 64), (9, 1)])
+def test_the_halves_of_a_fused_gate_up_output_are_written_over_together(rows, width):
+    """The patched MLP's case: gate and up side by side in one buffer, nothing else holding it.
+    Their gradients land where they were (no new buffers) and are the reference's."""
+    x = torch.randn(rows, 8, device=device(), requires_grad=True)
+    (gate, up), weights = _fused_gate_up(x, width)
+    assert gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr()
+    seen = {}
+    _grad_pointer(gate, seen, "g"), _grad_pointer(up, seen, "u")
+    dh = torch.randn(rows, width, device=device())
+    h = swiglu(gate, up)
+    del gate, up
+    h.backward(dh)
+    assert seen["g.grad"] == seen["g"] and seen["u.grad"] == seen["u"]
+    x_ref = x.detach().clone().requires_grad_()
+    swiglu_ref(x_ref @ weights[0].t(), x_ref @ weights[1].t()).backward(dh)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_halves_of_a_buffer_someone_else_reads_are_left_alone():
+    x = torch.randn(6, 8, device=device(), requires_grad=True)
+    dh = torch.randn(6, 24, device=device())
+    # a third block of the same buffer is alive: the memory has a reader besides the pair
+    (gate, up, extra), _ = _fused_gate_up(x, 24, extra=5)
+    seen, extra_before = {}, extra.detach().clone()
+    _grad_pointer(gate, seen, "g")
+    h = swiglu(gate, up)
+    del gate, up
+    h.backward(dh)
+    assert seen["g.grad"] != seen["g"] and torch.equal(extra, extra_before)
+    # the caller keeps the gate: neither half is written over
+    (gate, up), _ = _fused_gate_up(x, 24)
+    gate_before, up_before = gate.detach().clone(), up.detach().clone()
+    h = swiglu(gate, up)
+    del up
+    h.backward(dh)
+    assert torch.equal(gate, gate_before)
+    # halves that overlap are not a pair
+    buffer = torch.randn(4, 50, device=device())
+    assert not swiglu_module._side_by_side(buffer[:, 0:30], buffer[:, 20:50])
+    assert swiglu_module._side_by_side(buffer[:, 0:25], buffer[:, 25:50])
+    assert swiglu_module._side_by_side(buffer[:, 25:50], buffer[:, 0:25])  # up before gate: still apart
+    assert not swiglu_module._side_by_side(buffer[:, 0:25], buffer[:, 0:25])
+    assert not swiglu_module._side_by_side(buffer[:, 0:20], torch.randn(4, 20, device=device()))
+    assert swiglu_module._side_by_side(buffer[:1, 0:25], buffer[:1, 25:50])  # one row
+    assert not swiglu_module._side_by_side(buffer.view(-1)[3:28].view(1, 25), buffer.view(-1)[20:45].view(1, 25))
+
+
+def test_retain_graph_twice_through_fused_halves_gives_twice_the_gradients():
+    x = torch.randn(3, 8, device=device(), requires_grad=True)
+    (gate, up), _ = _fused_gate_up(x, 40)
+    h = swiglu(gate, up)
+    del gate, up
+    loss = (h * torch.randn(3, 40, device=device())).sum()
+    loss.backward(retain_graph=True)
+    first = x.grad.clone()
+    loss.backward()
+    torch.testing.assert_close(x.grad, 2 * first)
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
 def test_retain_graph_twice_gives_twice_the_gradients(packed):
     x = torch.randn(3, 8, device=device(), requires_grad=True)
@@ -391,3 +461,25 @@ def test_bench_spec_runs_on_a_cpu():
             result = bench._pass_calls(make, [fresh], pass_)[0]()
             if pass_ == "fwd":
                 assert result.shape[-2:] == (2, 40), impl
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_the_patched_mlp_writes_its_swiglu_gradients_over_the_fused_gate_up_output(monkeypatch, checkpointing):
+    """At 9B and 32k tokens that is 1.5 GiB a layer not allocated in the MLP's backward."""
+    import q35lab
+    from q35lab import e2e
+
+    decisions = []
+    may_overwrite = swiglu_module._may_overwrite
+
+    def recorded(*args, **kwargs):
+        decisions.append((may_overwrite(*args, **kwargs), kwargs.get("sibling") is not None))
+        return decisions[-1][0]
+
+    monkeypatch.setattr(swiglu_module, "_may_overwrite", recorded)
+    model = e2e.build("tiny", layers=4, rank=4, device=device(), dtype=torch.float32, checkpointing=checkpointing)
+    report = q35lab.apply_to_qwen3_5(model)
+    assert report.replaced["Qwen3_5MLP gate/up (2 projections, 1 node)"] == 4
+    ids = torch.randint(0, 100, (1, 11), device=device())
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert decisions == [(True, True)] * 8  # gate and up of each of the 4 MLPs, as a pair

@@ -26,8 +26,10 @@ here). ``g`` and ``u`` are dead once this backward has run, so the backward writ
 call (``_may_overwrite``): the graph is not being retained (``retain_graph``/``create_graph``
 keep it, and a second backward must read the activations again), the tensor is not a leaf or a
 view, and nothing but this node references it or its memory (no Python variable, no other
-autograd node's saved tensor, no alias). Otherwise the gradients get fresh buffers, and the
-inputs are never touched.
+autograd node's saved tensor, no alias) — except the other input, when ``g`` and ``u`` are the
+two halves of one fused gate/up output, side by side in one buffer: each element's gradients
+then go where its inputs were read, so the two blocks are written over together. Otherwise the
+gradients get fresh buffers, and the inputs are never touched.
 
 Layout. Inputs are read with their own row stride, so the column slices of one ``[T, 2I]``
 buffer (gate and up projections fused into one GEMM) are used without copies.
@@ -405,23 +407,51 @@ def _graph_kept() -> bool:
 INPLACE_MODES = ("auto", "never", "always")
 
 
-def _may_overwrite(mode: str, t: torch.Tensor, counts, owned: bool, *others: torch.Tensor | None) -> bool:
+def _side_by_side(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are two column blocks of the rows of one buffer that share no
+    element: the gate and up outputs of one fused ``[T, 2I]`` GEMM. Both ``[rows, width]`` with
+    unit column stride and the same row stride ``s``; block ``b`` starts ``d`` elements after
+    ``a`` (modulo ``s``) with ``width ≤ d ≤ s − width``. Written over together by a kernel that
+    stores each element's gradients where it read its inputs, they cannot disturb each other."""
+    if a.dim() != 2 or a.shape != b.shape or a.dtype != b.dtype or a.numel() == 0:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    rows, width = a.shape
+    if width > 1 and (a.stride(1) != 1 or b.stride(1) != 1):
+        return False
+    if rows == 1:  # one row each: two runs of `width` elements
+        return abs(b.storage_offset() - a.storage_offset()) >= width
+    if a.stride(0) != b.stride(0):
+        return False
+    gap = (b.storage_offset() - a.storage_offset()) % a.stride(0)
+    return width <= gap <= a.stride(0) - width
+
+
+def _may_overwrite(mode: str, t: torch.Tensor, counts, owned: bool, *others: torch.Tensor | None,
+                   sibling: torch.Tensor | None = None) -> bool:
     """Whether the saved activation ``t`` may receive its own gradient: this backward is its
     last reader. ``counts``: ``_ownership(t)`` read by the backward right after unpacking;
-    ``owned``: ``t`` is a copy this node made. Any doubt answers False (a fresh buffer)."""
+    ``owned``: ``t`` is a copy this node made; ``sibling``: the node's other input when the two
+    lie side by side in one buffer (``_side_by_side``): its handle on the memory is expected,
+    and nothing else may hold one. Any doubt answers False (a fresh buffer)."""
     if mode != "auto":
         return mode == "always"
     if t.numel() == 0 or _graph_kept():
         return False  # a retained graph reads the activations again
-    if any(o is not None and o.numel() and o.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-           for o in others):
+    if any(o is not None and o is not sibling and o.numel()
+           and o.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for o in others):
         return False  # aliases the other input or the upstream gradient
     if owned:
         return True  # no one else ever saw it
     if t.is_leaf or t._base is not None:
         return False  # a leaf is the caller's tensor; a view shares its base's memory
     expected = _sole_owner_counts()
-    return expected is not None and all(n <= e for n, e in zip(counts, expected))
+    if expected is None:
+        return False
+    if sibling is not None:  # the memory's one other handle: the sibling block's
+        expected = (*expected[:2], expected[2] + 1)
+    return all(n <= e for n, e in zip(counts, expected))
 
 
 def _bump_version(t: torch.Tensor) -> None:
@@ -458,10 +488,15 @@ class SwiGLUFunction(torch.autograd.Function):
         g_counts = _ownership(gate)  # first: nothing below may hold extra references yet
         u_counts = _ownership(up)
         need_dg, need_du = ctx.needs_input_grad[:2]
-        into_g = need_dg and _may_overwrite(ctx.inplace, gate, g_counts, ctx.owned[0], up, dh)
-        into_u = need_du and _may_overwrite(ctx.inplace, up, u_counts, ctx.owned[1], gate, dh)
         g2d, _ = _rows(gate)  # views: the saved tensors have a row stride by construction
         u2d, _ = _rows(up)
+        # gate and up as the two halves of the fused gate/up GEMM's output (the patched MLP's
+        # case): each is the other's only co-owner of the buffer, and both may be written over
+        pair = _side_by_side(g2d, u2d)
+        into_g = need_dg and _may_overwrite(ctx.inplace, gate, g_counts, ctx.owned[0], up, dh,
+                                            sibling=up if pair else None)
+        into_u = need_du and _may_overwrite(ctx.inplace, up, u_counts, ctx.owned[1], gate, dh,
+                                            sibling=gate if pair else None)
         dh2d, _ = _rows(dh)
         dg, du = swiglu_bwd(
             dh2d, g2d, u2d, need_dg=need_dg, need_du=need_du,
