@@ -1373,11 +1373,13 @@ def _gdn_carry_bytes(d: _Dims, e: int) -> int:
     return 4 * d.Hv * d.dk * d.dv + (d.conv_kernel - 1) * d.conv_dim * e
 
 
-def _phase_terms(d: _Dims, e: int, r: int, tiled: bool, gdn_tile: int | None = None) -> dict[str, dict[str, float]]:
+def _phase_terms(d: _Dims, e: int, r: int, tiled: bool, gdn_tile: int | None = None,
+                 mlp_keeps_h: bool = False) -> dict[str, dict[str, float]]:
     """Per-token bytes of each phase of one layer's backward (checkpoints and residual excluded).
 
     Counted from the code that runs on the GPU: q35lab's patched modules (fused in_proj and
-    gate/up, SwiGLU, norms, conv, LoRA saving ``x·Aᵀ`` of r values), fla's
+    gate/up, SwiGLU with the down projection in its node, norms, conv, LoRA saving ``x·Aᵀ`` of
+    r values), fla's
     ``chunk_gated_delta_rule`` (saves l2-normed q, k with their rstd, v, g, beta and the WY
     matrix A of 64 values per token and value head; its backward recomputes w, u, the chunk
     states h and makes dh, dv, dw, dq, dk) and SDPA's flash backend (saves q, k, v, out, lse; a
@@ -1387,7 +1389,8 @@ def _phase_terms(d: _Dims, e: int, r: int, tiled: bool, gdn_tile: int | None = N
     ``tiled``: the MLP is tiled (its input and dx remain per token). ``gdn_tile``: the
     GatedDeltaNet is tiled at this many tokens: of its terms only its input, its dx and the
     carries into each tile (``_gdn_carry_bytes`` a tile) remain per token; the rest is one tile's
-    (``bytes_per_token`` counts it as fixed).
+    (``bytes_per_token`` counts it as fixed). ``mlp_keeps_h``: the down projection runs its own
+    forward and keeps the SwiGLU output [I] for its backward (see ``bytes_per_token``).
     """
     H, I = d.H, d.I
     q = d.nq * d.hd
@@ -1396,9 +1399,12 @@ def _phase_terms(d: _Dims, e: int, r: int, tiled: bool, gdn_tile: int | None = N
     if tiled:
         mlp = {"MLP: input (saved once by the tiling)": H * e, "MLP: dx of the whole sequence": H * e}
     else:
+        # swiglu_down keeps no SwiGLU output: dh's buffer takes h again for the down adapter's dA,
+        # and dgate, dup are written over the gate/up output
         mlp = {"MLP: input (saved by gate/up)": H * e, "MLP: gate/up output [2I]": 2 * I * e,
-               "MLP: SwiGLU output [I] (saved by down)": I * e, "MLP: LoRA x·Aᵀ (3 adapters)": 3 * r * e,
-               "MLP backward: dh [I]": I * e}
+               "MLP: LoRA x·Aᵀ (3 adapters)": 3 * r * e, "MLP backward: dh [I], then h rebuilt in it": I * e}
+        if mlp_keeps_h:
+            mlp["MLP: SwiGLU output [I] (saved by down)"] = I * e
     gdn_saved, gdn_bwd = _gdn_terms(d, e, r)
     if gdn_tile is not None:  # what the layer's recompute rebuilds before the MLP's backward, and then the GDN's
         gdn_saved = {"GDN: input (saved once by the tiling)": H * e,
@@ -1479,7 +1485,7 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
                     offload: float | int | bool = False,
                     lora_rank: int = 16, dtype_bytes: int = 2, weight_bytes: int | None = None,
                     adapter_bytes: int = 4, batch: int = 1, loss_chunk_bytes: int | None = None,
-                    slack_bytes: float = 2 * GiB) -> MemoryModel:
+                    slack_bytes: float = 2 * GiB, mlp_keeps_h: bool = False) -> MemoryModel:
     """Predict the peak's slope (bytes per token) of a Qwen3.5 LoRA step under gradient
     checkpointing, term by term, and its constant part.
 
@@ -1500,12 +1506,15 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
 
     Constant: the weights (``parameter_count``·weight_bytes), the LoRA adapters with their
     gradients and AdamW's two fp32 moments (``lora_parameter_count``·(2·adapter_bytes + 8)), the
-    fused loss's logits chunk, one MLP tile's working set when tiled (tile·(H + 4I)·e), one
+    fused loss's logits chunk, one MLP tile's working set when tiled (tile·(H + 3I)·e), one
     GatedDeltaNet tile's when tiled (tile · its untiled per-token terms, saved and backward, two
     carries: the one it hands on and its gradient, and the conv's input, (tile + K − 1) · conv_dim · e,
     a new buffer after the first tile), and ``slack_bytes`` (cuBLAS workspaces,
     allocator rounding). ``offload``: True (every layer), a fraction or a count of layers; host
-    memory then holds k·H·e per token.
+    memory then holds k·H·e per token. ``mlp_keeps_h``: the MLP's down projection runs its own
+    forward and so keeps the SwiGLU output (I·e a token, and a tile's (H + 4I)·e when tiled) — where
+    its adapter has dropout or a hook watches it, and in q35lab before ``swiglu_down`` (the H200
+    measurements up to commit 38249b1).
     """
     d = _dims(config)
     e, r = int(dtype_bytes), int(lora_rank)
@@ -1528,7 +1537,8 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
     }
     gdn_tile = None if tiled_gdn_tokens is None else _check_tile_tokens(tiled_gdn_tokens, "tiled_gdn_tokens")
     phases = {name: {**common, **terms} for name, terms in
-              _phase_terms(d, e, r, tiled=tiled_mlp_tokens is not None, gdn_tile=gdn_tile).items()}
+              _phase_terms(d, e, r, tiled=tiled_mlp_tokens is not None, gdn_tile=gdn_tile,
+                           mlp_keeps_h=mlp_keeps_h).items()}
     phases["loss (end of forward)"] = {
         f"checkpoint inputs ({d.L - k} of {d.L} layers on the GPU)": (d.L - k) * d.H * e,
         "final norm: input, output": 2 * d.H * e,
@@ -1547,8 +1557,9 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
         "slack: workspaces, allocator rounding": slack_bytes,
     }
     if tiled_mlp_tokens is not None:
+        # a tile's input, gate/up output and dh (h rebuilt in it): the untiled MLP's terms, a tile of them
         fixed["MLP: one tile's working set"] = (_check_tile_tokens(tiled_mlp_tokens, "tiled_mlp_tokens") * batch
-                                                * (d.H + 4 * d.I) * e)
+                                                * (d.H + (4 if mlp_keeps_h else 3) * d.I) * e)
     if gdn_tile is not None and "linear_attention" in d.layer_types:
         saved, backward = _gdn_terms(d, e, r)
         # + the conv's input for a tile after the first: the carried K−1 rows and the tile's, one new buffer

@@ -23,7 +23,7 @@ from .ops.gated_rms_norm import GatedRMSNorm
 from .ops.fused_projections import (ConcatCache, Projection, _rows_of_one_buffer, fused_lora_projections, pack_rows,
                                      unpack_rows)
 from .ops.linear_cross_entropy import linear_cross_entropy
-from .ops.lora import lora_linear
+from .ops.lora import _compute_dtype, lora_linear
 from .ops.offset_rms_norm import OffsetRMSNorm
 from .ops import swiglu as swiglu_ops
 
@@ -579,7 +579,10 @@ def _mlp_problem(mlp: torch.nn.Module) -> str | None:
 
 
 class _MLPForward(_Forward):
-    """``down(swiglu(gate(x), up(x)))`` with gate and up fused when their bases are frozen."""
+    """``down(swiglu(gate(x), up(x)))`` with gate and up fused when their bases are frozen, and
+    the SwiGLU and the down projection one node (``swiglu_down``: ``h`` is not kept for the
+    backward) when this call's down projection is a frozen base with at most one adapter,
+    without dropout or hooks, in the input's own compute dtype."""
 
     def __init__(self, module: torch.nn.Module):
         super().__init__(module)
@@ -591,7 +594,22 @@ class _MLPForward(_Forward):
         mlp = self.module
         gate_up = self.group.fused(x) if self.group is not None else None
         gate, up = gate_up if gate_up is not None else (mlp.gate_proj(x), mlp.up_proj(x))
-        return mlp.down_proj(swiglu_ops.swiglu(gate, up, rounding="hf"))
+        down = self._down_now(gate)
+        if down is None:
+            return mlp.down_proj(swiglu_ops.swiglu(gate, up, rounding="hf"))
+        return swiglu_ops.swiglu_down(gate, up, down.weight, down.lora_A, down.lora_B, down.scaling, down.bias,
+                                      rounding="hf")
+
+    def _down_now(self, gate: torch.Tensor) -> Projection | None:
+        """This call's down projection as a ``Projection`` for ``swiglu_down``, or None when its
+        own forward must run (see the class docstring)."""
+        down_proj = self.module.down_proj
+        if _projection_problem(down_proj) or _hooks_would_see(*down_proj.modules()):
+            return None
+        down = _projection_now(down_proj)
+        if down is None or down.dropout or _compute_dtype(gate) != gate.dtype:
+            return None
+        return down
 
 
 def _patch_mlp(mlp: torch.nn.Module, report: "PatchReport") -> None:
@@ -669,14 +687,19 @@ def _flce_problem(model: torch.nn.Module) -> str | None:
     return None
 
 
+def _hooks_would_see(*modules: torch.nn.Module | None) -> bool:
+    """Whether a forward (pre-)hook of one of ``modules`` or a global one would see the call: a
+    fused path that does not call those modules must then let them run."""
+    from torch.nn.modules import module as nn_module
+
+    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks or any(
+        m._forward_hooks or m._forward_pre_hooks for m in modules if m is not None))
+
+
 def _head_has_hooks(head: torch.nn.Module) -> bool:
     """Whether a forward hook would see lm_head's output (its own, its active linear's, or a global
     one): such hooks expect logits, so the fused loss, which makes none, must not run."""
-    from torch.nn.modules import module as nn_module
-
-    modules = {head, _head_linear(head)} - {None}
-    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks or any(
-        m._forward_hooks or m._forward_pre_hooks for m in modules))
+    return _hooks_would_see(head, _head_linear(head))
 
 
 class _FusedLossForward(_Forward):

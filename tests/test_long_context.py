@@ -490,10 +490,10 @@ def test_the_terms_for_the_tiny_config_by_hand():
     # checkpoints 2·64·4 = 512, residual grads 3·64·4 = 768, ids/labels/positions/RoPE 8+8+32+2·8·4 = 112
     # GDN saved: input 256, in_proj (128 + 64 + 8)·4 = 800 [conv_dim = 2·32 + 64], z 256, gates 4·(4+12) = 64,
     #   q/k 2·(32·4 + 4·2) = 272, v 256, A 4·64·4 = 1024, core out 256, gated-norm out 256, xa 5·4·4 = 80
-    # norms 256 + 4 + 4; MLP: input 256, gate/up 768, SwiGLU 384, xa 48, dh 384
+    # norms 256 + 4 + 4; MLP: input 256, gate/up 768, xa 48, dh 384 (no SwiGLU output: swiglu_down)
     gdn_saved = 256 + 800 + 256 + 64 + 272 + 256 + 1024 + 256 + 256 + 80
     assert gdn_saved == 3520
-    assert mlp == 512 + 768 + 112 + gdn_saved + 264 + 1840
+    assert mlp == 512 + 768 + 112 + gdn_saved + 264 + 1456
     # GDN backward: d(out), dz 2·256, w, u, v_new 3·256, h, dh 2·4·16·16·4/64 = 128, dv, dw 512, dq, dk 512
     gdn = 512 + 768 + 112 + gdn_saved + 512 + 768 + 128 + 512 + 512 + 4
     assert model.phases["GatedDeltaNet backward"] == gdn
@@ -503,10 +503,18 @@ def test_the_terms_for_the_tiny_config_by_hand():
     assert model.phases["loss (end of forward)"] == 512 + 512 + 256 + 112
     assert gdn > mlp and model.phase == "GatedDeltaNet backward" and model.per_token == gdn
     tiled = lc.bytes_per_token(_tiny_config(), lora_rank=4, dtype_bytes=4, tiled_mlp_tokens=8, loss_chunk_bytes=0)
-    assert tiled.phases["MLP backward (GatedDeltaNet layer)"] == mlp - 1840 + 512
-    assert tiled.fixed["MLP: one tile's working set"] == 8 * (64 + 4 * 96) * 4
+    assert tiled.phases["MLP backward (GatedDeltaNet layer)"] == mlp - 1456 + 512
+    assert tiled.fixed["MLP: one tile's working set"] == 8 * (64 + 3 * 96) * 4
     offloaded = lc.bytes_per_token(_tiny_config(), lora_rank=4, dtype_bytes=4, offload=True, loss_chunk_bytes=0)
     assert offloaded.host_per_token == 512 and offloaded.per_token == model.per_token  # 2 layers: max(0, 2) = 2
+    # a down projection that runs its own forward (dropout, a hook) keeps the SwiGLU output: I·e more
+    kept = lc.bytes_per_token(_tiny_config(), lora_rank=4, dtype_bytes=4, loss_chunk_bytes=0, slack_bytes=0,
+                              mlp_keeps_h=True)
+    assert kept.phases["MLP backward (GatedDeltaNet layer)"] == mlp + 96 * 4
+    assert kept.phases["GatedDeltaNet backward"] == gdn
+    kept_tiled = lc.bytes_per_token(_tiny_config(), lora_rank=4, dtype_bytes=4, tiled_mlp_tokens=8, loss_chunk_bytes=0,
+                                    mlp_keeps_h=True)
+    assert kept_tiled.fixed["MLP: one tile's working set"] == 8 * (64 + 4 * 96) * 4
 
 
 def test_the_modelled_terms_are_what_the_tiny_model_saves():
@@ -542,7 +550,12 @@ def test_the_modelled_terms_are_what_the_tiny_model_saves():
     terms = lc.bytes_per_token(config, lora_rank=4, dtype_bytes=e).phases
     untiled_terms = lc._phase_terms(lc._dims(config), e, 4, tiled=False)["MLP backward (GatedDeltaNet layer)"]
     saved_by_mlp = sum(v for k, v in untiled_terms.items() if k.startswith("MLP:")) - H * e
-    assert saved_bytes(mlp) == saved_by_mlp == (2 * 96 + 96 + 3 * 4) * e
+    assert saved_bytes(mlp) == saved_by_mlp == (2 * 96 + 3 * 4) * e  # gate/up output, 3 adapters' x·Aᵀ; no h
+    # with dropout on the down adapter, the down projection runs its own forward and keeps h
+    mlp.down_proj.lora_dropout["default"] = torch.nn.Dropout(0.1)
+    kept_terms = lc._phase_terms(lc._dims(config), e, 4, tiled=False, mlp_keeps_h=True)["MLP backward (GatedDeltaNet layer)"]
+    assert saved_bytes(mlp) == sum(v for k, v in kept_terms.items() if k.startswith("MLP:")) - H * e == saved_by_mlp + 96 * e
+    mlp.down_proj.lora_dropout["default"] = torch.nn.Identity()
     assert saved_bytes(lambda x: lc.tiled_mlp(mlp, x, 5)) == 0  # only x (the stash), nothing of a tile
     assert terms  # the phases exist for this config
 
@@ -558,7 +571,11 @@ def test_qwen3_5_9b_predictions_and_the_offload_plan():
     offloaded = lc.bytes_per_token(config, tiled_mlp_tokens=8192, offload=True)
     assert offloaded.per_token < tiled.per_token <= base.per_token
     assert offloaded.host_per_token == 256 * 1024
-    assert base.longest_fit() < tiled.longest_fit() < offloaded.longest_fit()
+    # the MLP keeps less than the GatedDeltaNet's backward needs: tiling it alone lowers its own phase,
+    # not the peak (and adds a tile's working set); the offload moves the peak's checkpoints
+    mlp = "MLP backward (GatedDeltaNet layer)"
+    assert base.phase == tiled.phase == "GatedDeltaNet backward" and tiled.phases[mlp] < base.phases[mlp]
+    assert tiled.longest_fit() <= base.longest_fit() < offloaded.longest_fit()
     # all 32 layers at 512k need 128 GiB of host memory: not on a 128 GiB host
     assert offloaded.longest_fit(host_bytes=128 * 2**30 - 16 * 2**30) < 512 * 1024
     layers, fits = lc.plan_offload_layers(config, 384 * 1024, host_bytes=1e15, tiled_mlp_tokens=8192)

@@ -326,12 +326,38 @@ def test_a_head_trained_whole_by_peft_goes_through_the_fused_loss(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # The MLP: gate and up as one fused node, the SwiGLU kernel between them and down_proj.
 # ---------------------------------------------------------------------------------------------
+def test_mlp_down_projection_runs_its_own_forward_with_dropout_or_a_hook(monkeypatch):
+    """swiglu_down leaves out the down projection's module call: where that call matters (a
+    dropout mask on the adapter's input, a forward hook) the module runs, with the SwiGLU node."""
+    peft = pytest.importorskip("peft")
+    from q35lab.ops.swiglu import SwiGLUDownFunction, SwiGLUFunction
+
+    model = peft.get_peft_model(causal_lm(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["down_proj"]))
+    q35lab.apply_to_qwen3_5(model)
+    ids = torch.randint(0, 128, (2, 9), device=device())
+    down = model.get_base_model().model.layers[0].mlp.down_proj
+    seen = []
+    handle = down.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    swiglu, swiglu_down = count_forward_calls(monkeypatch, SwiGLUFunction), count_forward_calls(monkeypatch, SwiGLUDownFunction)
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert seen == [(2, 9, 64)] and len(swiglu) == 1 and len(swiglu_down) == 1  # layer 0 hooked, layer 1 fused
+    handle.remove()
+    down.lora_dropout["default"] = torch.nn.Dropout(0.25)
+    swiglu.clear(), swiglu_down.clear()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert len(swiglu) == 1 and len(swiglu_down) == 1  # layer 0's adapter has dropout now
+    model.eval()  # no dropout outside training: fused again
+    swiglu.clear(), swiglu_down.clear()
+    model(input_ids=ids, labels=ids)
+    assert not swiglu and len(swiglu_down) == 2
+
+
 @pytest.mark.parametrize("targets", [["gate_proj", "up_proj", "down_proj"], ["up_proj"], []],
                          ids=["lora-on-all-three", "lora-on-up", "no-mlp-lora"])
 def test_mlp_same_loss_and_gradients_through_one_fused_node_and_the_swiglu_kernel(monkeypatch, targets):
     peft = pytest.importorskip("peft")
     from q35lab.ops.fused_projections import FusedLoRAProjectionsFunction
-    from q35lab.ops.swiglu import SwiGLUFunction
+    from q35lab.ops.swiglu import SwiGLUDownFunction, SwiGLUFunction
 
     model = peft.get_peft_model(causal_lm(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", *targets]))
     with torch.no_grad():  # B = 0 at init would hide the adapters' path
@@ -346,8 +372,10 @@ def test_mlp_same_loss_and_gradients_through_one_fused_node_and_the_swiglu_kerne
     assert report.replaced["Qwen3_5MLP gate/up (2 projections, 1 node)"] == 2
     fused = count_forward_calls(monkeypatch, FusedLoRAProjectionsFunction)
     swiglu = count_forward_calls(monkeypatch, SwiGLUFunction)
+    swiglu_down = count_forward_calls(monkeypatch, SwiGLUDownFunction)
     _assert_same_step(before, _loss_and_grads(model, ids))
-    assert len(fused) == 2 and len(swiglu) == 2  # one of each per MLP
+    # one of each per MLP: the down projection (with its adapter or without one) in the SwiGLU's node
+    assert len(fused) == 2 and len(swiglu_down) == 2 and not swiglu
     mlp = model.get_base_model().model.layers[0].mlp
     gate, up = (getattr(getattr(mlp, n), "base_layer", getattr(mlp, n)).weight for n in ("gate_proj", "up_proj"))
     assert gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr()  # packed into one buffer

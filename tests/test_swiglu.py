@@ -483,3 +483,85 @@ def test_the_patched_mlp_writes_its_swiglu_gradients_over_the_fused_gate_up_outp
     ids = torch.randint(0, 100, (1, 11), device=device())
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     assert decisions == [(True, True)] * 8  # gate and up of each of the 4 MLPs, as a pair
+
+
+# --------------------------------------------------------------------------------------------
+# swiglu_down: the SwiGLU and the down projection as one node that keeps no h.
+# --------------------------------------------------------------------------------------------
+def _down_case(rows, width, out, rank, dtype, adapter, bias):
+    x = torch.randn(rows, 8, device=device(), dtype=dtype, requires_grad=True)
+    w_g, w_u = torch.randn(8, width, device=device(), dtype=dtype), torch.randn(8, width, device=device(), dtype=dtype)
+    weight = torch.randn(out, width, device=device(), dtype=dtype) / width**0.5
+    lora_A = torch.randn(rank, width, device=device(), requires_grad=True) if adapter else None  # fp32 masters
+    lora_B = torch.randn(out, rank, device=device(), requires_grad=True) if adapter else None
+    b = torch.randn(out, device=device(), dtype=dtype, requires_grad=True) if bias else None
+    return x, w_g, w_u, weight, lora_A, lora_B, b
+
+
+@pytest.mark.parametrize("rows, width, out, rank", [(5, 37, 11, 3), (1, 64, 8, 4), (7, 1, 5, 2), (33, 300, 17, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("adapter, bias", [(True, False), (False, False), (True, True)], ids=["lora", "base", "lora-bias"])
+def test_swiglu_down_gives_the_bits_of_lora_linear_after_swiglu(rows, width, out, rank, dtype, adapter, bias):
+    """The same kernels and GEMMs in the same order, h rebuilt by the forward's own formula: the
+    output and every gradient are the unfused path's, bit for bit (and so the reference's by the
+    numerics rule wherever the unfused path is, tests/test_lora.py)."""
+    from q35lab.ops.lora import lora_linear
+    from q35lab.ops.swiglu import swiglu_down
+
+    x, w_g, w_u, weight, lora_A, lora_B, b = _down_case(rows, width, out, rank, dtype, adapter, bias)
+    dy = torch.randn(rows, out, device=device(), dtype=dtype)
+    leaves = [t for t in (x, lora_A, lora_B, b) if t is not None]
+
+    def run(fused):
+        g, u = x @ w_g, x @ w_u
+        if fused:
+            y = swiglu_down(g, u, weight, lora_A, lora_B, 0.5, b)
+        elif adapter:
+            y = lora_linear(swiglu(g, u), weight, lora_A, lora_B, 0.5, b)
+        else:
+            y = torch.nn.functional.linear(swiglu(g, u), weight, b)
+        return (y, *torch.autograd.grad(y, leaves, dy))
+
+    for ours, theirs in zip(run(True), run(False)):
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+
+
+def test_swiglu_down_keeps_no_h_for_the_backward():
+    from q35lab.ops.swiglu import swiglu_down
+
+    x, w_g, w_u, weight, lora_A, lora_B, _ = _down_case(6, 40, 9, 4, torch.float32, True, False)
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        g, u = x @ w_g, x @ w_u
+        saved.clear()  # what the node itself saves
+        y = swiglu_down(g, u, weight, lora_A, lora_B, 2.0)
+    assert saved.count((6, 40)) == 2 and (6, 4) in saved  # g and u, the adapter's [T, r]; no h
+    y.sum().backward(retain_graph=True)  # a retained graph may be run again
+    first = [t.grad.clone() for t in (x, lora_A, lora_B)]
+    y.sum().backward()
+    for t, once in zip((x, lora_A, lora_B), first):
+        torch.testing.assert_close(t.grad, 2 * once)
+
+
+def test_swiglu_down_errors_name_the_argument():
+    from q35lab.ops.swiglu import swiglu_down
+
+    g = u = torch.randn(3, 10, device=device())
+    w = torch.randn(4, 10, device=device())
+    for call, match in (
+            (lambda: swiglu_down(g, u, torch.randn(4, 9, device=device())), "weight: expected"),
+            (lambda: swiglu_down(g, u, w, torch.randn(2, 10, device=device())), "lora_A, lora_B: expected both"),
+            (lambda: swiglu_down(g, u, w, torch.randn(2, 9, device=device()), torch.randn(4, 2, device=device())),
+             "lora_A: expected"),
+            (lambda: swiglu_down(g, u, w, torch.randn(2, 10, device=device()), torch.randn(4, 3, device=device())),
+             "lora_B: expected"),
+            (lambda: swiglu_down(g, u, w, bias=torch.randn(5, device=device())), "bias: expected"),
+            (lambda: swiglu_down(g, u, w, scaling="two"), "scaling"),
+            (lambda: swiglu_down(g, u[:, :9], w), "up")):
+        with pytest.raises((TypeError, ValueError), match=match):
+            call()

@@ -142,6 +142,19 @@ def _store(ptrs, value, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _swiglu_value(g, u, OUT_DTYPE: tl.constexpr, HF_ROUNDING: tl.constexpr):
+    """``silu(g)·u`` in fp32 from fp32 ``g`` and ``u``, before the store's rounding to OUT_DTYPE.
+    One function for the forward and for the backward that rebuilds ``h``: the same bits."""
+    if HF_ROUNDING:
+        # torch's silu is g / (1 + e^-g) with an IEEE division, rounded to the input dtype;
+        # the product of two 16-bit tensors is then rounded again.
+        a = tl.div_rn(g, 1.0 + tl.exp(-g)).to(OUT_DTYPE).to(tl.float32)
+        return a * u
+    else:
+        return g * tl.sigmoid(g) * u
+
+
+@triton.jit
 def _swiglu_fwd_kernel(
     G,  # [n_rows, n_cols] gate, row stride stride_g, unit column stride
     U,  # [n_rows, n_cols] up
@@ -159,13 +172,7 @@ def _swiglu_fwd_kernel(
     row0, rows, cols, mask = _tile(n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
     g = _load(G + row0 * stride_g + (rows * stride_g + cols), mask, EVEN)
     u = _load(U + row0 * stride_u + (rows * stride_u + cols), mask, EVEN)
-    if HF_ROUNDING:
-        # torch's silu is g / (1 + e^-g) with an IEEE division, rounded to the input dtype;
-        # the product of two 16-bit tensors is then rounded again.
-        a = tl.div_rn(g, 1.0 + tl.exp(-g)).to(H.dtype.element_ty).to(tl.float32)
-        h = a * u
-    else:
-        h = g * tl.sigmoid(g) * u
+    h = _swiglu_value(g, u, H.dtype.element_ty, HF_ROUNDING)
     _store(H + row0 * stride_h + (rows * stride_h + cols), h, mask, EVEN)
 
 
@@ -176,6 +183,7 @@ def _swiglu_bwd_kernel(
     U,  # [n_rows, n_cols] saved up
     DG,  # [n_rows, n_cols] gate gradient; may be G itself (written over in place)
     DU,  # [n_rows, n_cols] up gradient; may be U itself
+    H,  # [n_rows, n_cols] the forward's output rebuilt (STORE_H); may be DH itself
     n_rows,
     n_cols,
     stride_dh,
@@ -183,22 +191,31 @@ def _swiglu_bwd_kernel(
     stride_u,
     stride_dg,
     stride_du,
+    stride_h,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     EVEN: tl.constexpr,
     NEED_DG: tl.constexpr,
     NEED_DU: tl.constexpr,
+    STORE_H: tl.constexpr,
+    HF_ROUNDING: tl.constexpr,
 ):
-    """In place is safe: every element is loaded and stored by the same program, loads first."""
+    """In place is safe: every element is loaded and stored by the same program, loads first.
+    STORE_H writes ``h = silu(g)·u`` as the forward did (for a consumer's weight gradient that
+    would otherwise have kept ``h`` from the forward)."""
     row0, rows, cols, mask = _tile(n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
     dh = _load(DH + row0 * stride_dh + (rows * stride_dh + cols), mask, EVEN)
     g = _load(G + row0 * stride_g + (rows * stride_g + cols), mask, EVEN)
     s = tl.sigmoid(g)
-    if NEED_DG:
+    if NEED_DG or STORE_H:
         u = _load(U + row0 * stride_u + (rows * stride_u + cols), mask, EVEN)
+    if NEED_DG:
         _store(DG + row0 * stride_dg + (rows * stride_dg + cols), dh * u * s * (1.0 + g * (1.0 - s)), mask, EVEN)
     if NEED_DU:
         _store(DU + row0 * stride_du + (rows * stride_du + cols), dh * (g * s), mask, EVEN)
+    if STORE_H:
+        h = _swiglu_value(g, u, H.dtype.element_ty, HF_ROUNDING)
+        _store(H + row0 * stride_h + (rows * stride_h + cols), h, mask, EVEN)
 
 
 # --------------------------------------------------------------------------------------------
@@ -299,11 +316,14 @@ def swiglu_fwd(
 def swiglu_bwd(
     dh2d: torch.Tensor, g2d: torch.Tensor, u2d: torch.Tensor, *, need_dg: bool = True, need_du: bool = True,
     dg: torch.Tensor | None = None, du: torch.Tensor | None = None, config: LaunchConfig | None = None,
+    h_out: torch.Tensor | None = None, rounding: str = "hf",
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(dg, du)`` over ``[rows, width]`` matrices (``None`` where not needed).
 
     ``dg``/``du``: where to write (any row stride, unit column stride), e.g. ``g2d``/``u2d``
     themselves to overwrite the saved activations; fresh contiguous buffers when ``None``.
+    ``h_out``: also write the forward's output ``silu(g)·u`` there, bit for bit as ``swiglu_fwd``
+    with ``rounding`` (``dh2d`` itself may take it: each element's ``dh`` is read first).
     """
     n_rows, n_cols = g2d.shape
     if need_dg and dg is None:
@@ -314,16 +334,18 @@ def swiglu_bwd(
         dg = None
     if not need_du:
         du = None
-    if n_rows == 0 or n_cols == 0 or not (need_dg or need_du):
+    if n_rows == 0 or n_cols == 0 or not (need_dg or need_du or h_out is not None):
         return dg, du
     dg_arg = dg if dg is not None else g2d  # a valid pointer that the kernel never writes
     du_arg = du if du is not None else u2d
-    config = _fit(config, n_cols, dh2d, g2d, u2d, dg_arg, du_arg)
+    h_arg = h_out if h_out is not None else g2d
+    config = _fit(config, n_cols, dh2d, g2d, u2d, dg_arg, du_arg, h_arg)
     _swiglu_bwd_kernel[_grid(n_rows, n_cols, config)](
-        dh2d, g2d, u2d, dg_arg, du_arg, n_rows, n_cols,
-        dh2d.stride(0), g2d.stride(0), u2d.stride(0), dg_arg.stride(0), du_arg.stride(0),
+        dh2d, g2d, u2d, dg_arg, du_arg, h_arg, n_rows, n_cols,
+        dh2d.stride(0), g2d.stride(0), u2d.stride(0), dg_arg.stride(0), du_arg.stride(0), h_arg.stride(0),
         BLOCK_ROWS=config.block_rows, BLOCK_COLS=config.block_cols, EVEN=_even(n_rows, n_cols, config),
-        NEED_DG=need_dg, NEED_DU=need_du, num_warps=config.bwd_warps,
+        NEED_DG=need_dg, NEED_DU=need_du, STORE_H=h_out is not None, HF_ROUNDING=rounding == "hf",
+        num_warps=config.bwd_warps,
     )
     return dg, du
 
@@ -454,6 +476,21 @@ def _may_overwrite(mode: str, t: torch.Tensor, counts, owned: bool, *others: tor
     return all(n <= e for n, e in zip(counts, expected))
 
 
+def _overwrite_plan(ctx, gate, up, g_counts, u_counts, need_dg: bool, need_du: bool, dh):
+    """``(g2d, u2d, into_g, into_u)`` for a backward that unpacked ``gate`` and ``up``: their
+    ``[rows, width]`` views and whether each gradient may be written over its input
+    (``_may_overwrite``). The two halves of one fused gate/up output (the patched MLP's case) are
+    each the other's only co-owner of the buffer, and both may be written over."""
+    g2d, _ = _rows(gate)  # views: the saved tensors have a row stride by construction
+    u2d, _ = _rows(up)
+    pair = _side_by_side(g2d, u2d)
+    into_g = need_dg and _may_overwrite(ctx.inplace, gate, g_counts, ctx.owned[0], up, dh,
+                                        sibling=up if pair else None)
+    into_u = need_du and _may_overwrite(ctx.inplace, up, u_counts, ctx.owned[1], gate, dh,
+                                        sibling=gate if pair else None)
+    return g2d, u2d, into_g, into_u
+
+
 def _bump_version(t: torch.Tensor) -> None:
     """A reader that ``_may_overwrite`` failed to see then fails loudly, not with gradients."""
     increment = getattr(torch.autograd.graph, "increment_version", None)
@@ -488,15 +525,7 @@ class SwiGLUFunction(torch.autograd.Function):
         g_counts = _ownership(gate)  # first: nothing below may hold extra references yet
         u_counts = _ownership(up)
         need_dg, need_du = ctx.needs_input_grad[:2]
-        g2d, _ = _rows(gate)  # views: the saved tensors have a row stride by construction
-        u2d, _ = _rows(up)
-        # gate and up as the two halves of the fused gate/up GEMM's output (the patched MLP's
-        # case): each is the other's only co-owner of the buffer, and both may be written over
-        pair = _side_by_side(g2d, u2d)
-        into_g = need_dg and _may_overwrite(ctx.inplace, gate, g_counts, ctx.owned[0], up, dh,
-                                            sibling=up if pair else None)
-        into_u = need_du and _may_overwrite(ctx.inplace, up, u_counts, ctx.owned[1], gate, dh,
-                                            sibling=gate if pair else None)
+        g2d, u2d, into_g, into_u = _overwrite_plan(ctx, gate, up, g_counts, u_counts, need_dg, need_du, dh)
         dh2d, _ = _rows(dh)
         dg, du = swiglu_bwd(
             dh2d, g2d, u2d, need_dg=need_dg, need_du=need_du,
@@ -542,6 +571,82 @@ class SwiGLUPackedFunction(torch.autograd.Function):
         if into and ctx.inplace == "auto":
             _bump_version(gate_up)
         return dgu.detach().view(ctx.shape), None, None, None
+
+
+class SwiGLUDownFunction(torch.autograd.Function):
+    """Autograd node of ``swiglu_down``: ``y = h·Wᵀ + b + s·(h·Aᵀ)·Bᵀ`` with ``h = silu(g)·u``.
+
+    Saves ``g``, ``u`` and the adapter's ``[T, r]`` ``h·Aᵀ``, not ``h`` (``[T, I]``, 768 MiB a
+    layer at 9B and 32k tokens): ``h`` is needed again only for the adapter's ``dA = dxaᵀ·h``, and
+    the backward rebuilds it, bit for bit, in the buffer of ``dh`` once the SwiGLU kernel has
+    read ``dh`` there. The backward's order: ``dxa = s·dy·B``, ``dh = dxa·A + dy·W`` (no ``h``
+    needed), one SwiGLU kernel writing ``dg``, ``du`` (over ``g``, ``u`` when ``_may_overwrite``
+    allows) and ``h`` (over ``dh``), then ``dA``, ``dB``."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, bias, lora_A, lora_B, scaling: float, rounding: str,
+                config: LaunchConfig | None, inplace: str):
+        from .lora import _rows as _n_rows
+
+        g2d, g_copied = _rows(gate)
+        u2d, u_copied = _rows(up)
+        dtype, T, N = gate.dtype, _n_rows(gate), weight.shape[0]
+        h = swiglu_fwd(g2d, u2d, rounding, config=config)
+        y = torch.empty(*gate.shape[:-1], N, dtype=dtype, device=gate.device)  # its own tensor, not a view
+        y2d = y.view(T, N)
+        bias_cast = None if bias is None else bias.to(dtype)
+        if lora_A is not None:
+            xa = h @ lora_A.to(dtype).t()  # [T, r]
+            b_scaled = (lora_B * scaling).to(dtype)
+            torch.mm(xa, b_scaled.t(), out=y2d) if bias is None else torch.addmm(bias_cast, xa, b_scaled.t(), out=y2d)
+            y2d.addmm_(h, weight.to(dtype).t())  # the base GEMM's epilogue adds the adapter term
+        else:
+            xa = None
+            torch.mm(h, weight.to(dtype).t(), out=y2d) if bias is None else torch.addmm(
+                bias_cast, h, weight.to(dtype).t(), out=y2d)
+        del h  # not saved: rebuilt in the backward
+        ctx.save_for_backward(g2d if g_copied else gate, u2d if u_copied else up, weight, lora_A, lora_B, xa)
+        ctx.owned, ctx.scaling, ctx.rounding, ctx.config, ctx.inplace = (g_copied, u_copied), scaling, rounding, config, inplace
+        ctx.shape, ctx.bias_dtype = gate.shape, None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, dy):
+        from .lora import _scaled_product
+
+        gate, up, weight, lora_A, lora_B, xa = ctx.saved_tensors
+        g_counts = _ownership(gate)  # first: nothing below may hold extra references yet
+        u_counts = _ownership(up)
+        need_dg, need_du, need_w, need_b, need_a, need_bm = ctx.needs_input_grad[:6]
+        dtype = gate.dtype
+        dy2d = dy.reshape(-1, dy.shape[-1]).to(dtype)
+        w = weight.to(dtype)
+        dxa = None
+        if lora_A is not None:
+            dxa = dy2d @ (lora_B * ctx.scaling).to(dtype)  # [T, r]: s · dy·B
+            dh = dxa @ lora_A.to(dtype)
+            dh.addmm_(dy2d, w)
+        else:
+            dh = dy2d @ w
+        g2d, u2d, into_g, into_u = _overwrite_plan(ctx, gate, up, g_counts, u_counts, need_dg, need_du, dh)
+        need_h = need_a or need_w
+        dg, du = swiglu_bwd(dh, g2d, u2d, need_dg=need_dg, need_du=need_du, dg=g2d if into_g else None,
+                            du=u2d if into_u else None, h_out=dh if need_h else None, rounding=ctx.rounding,
+                            config=ctx.config)
+        h = dh if need_h else None  # dh's buffer now holds h
+        if ctx.inplace == "auto":
+            if into_g:
+                _bump_version(gate)
+            if into_u:
+                _bump_version(up)
+        dA = (dxa.t() @ h).to(lora_A.dtype) if need_a else None
+        dB = _scaled_product(dy2d.t(), xa, ctx.scaling).to(lora_B.dtype) if need_bm else None
+        dW = (dy2d.t() @ h).to(weight.dtype) if need_w else None  # a trainable base: supported, not optimised
+        db = dy2d.sum(0).to(ctx.bias_dtype) if need_b else None
+        return (dg.detach().view(ctx.shape) if dg is not None else None,
+                du.detach().view(ctx.shape) if du is not None else None,
+                dW, db, dA, dB, None, None, None, None)
 
 
 def _check_rounding(rounding: object) -> None:
@@ -605,3 +710,56 @@ def swiglu_packed(gate_up: torch.Tensor, *, rounding: str = "hf", inplace_backwa
         )
     _check_rounding(rounding)
     return SwiGLUPackedFunction.apply(gate_up, rounding, None, _inplace_mode(inplace_backward))
+
+
+@opaque_to_compile
+def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor | None = None,
+                lora_B: torch.Tensor | None = None, scaling: float = 1.0, bias: torch.Tensor | None = None, *,
+                rounding: str = "hf", inplace_backward: bool = True) -> torch.Tensor:
+    """An MLP's last two steps as one node: ``down(swiglu(gate, up))`` with ``down`` a frozen
+    projection and an optional LoRA adapter without dropout,
+    ``y = h·Wᵀ + b + scaling · (h·Aᵀ)·Bᵀ``, ``h = silu(gate)·up``.
+
+    The same values and gradients as ``lora_linear(swiglu(gate, up), ...)`` (bit for bit: the
+    same kernels and GEMMs), without keeping ``h`` for the backward (``SwiGLUDownFunction``).
+
+    Args:
+        gate, up: as for ``swiglu`` (the column blocks of a fused gate/up output are fine).
+        weight: ``[N, I]``; lora_A: ``[r, I]``; lora_B: ``[N, r]`` (both or neither); any float
+            dtype (cast to ``gate``'s for the GEMMs; fp32 master adapters get fp32 gradients).
+        scaling: the adapter scale, a finite real number. bias: optional ``[N]``.
+        rounding, inplace_backward: as for ``swiglu``.
+    """
+    from .lora import _check_scaling
+
+    check_float_tensor("gate", gate)
+    check_float_tensor("up", up)
+    check_like("up", up, "gate", gate)
+    check_float_tensor("weight", weight)
+    if gate.dim() == 0 or weight.dim() != 2 or weight.shape[1] != gate.shape[-1]:
+        raise ValueError(f"weight: expected [out_features, {gate.shape[-1] if gate.dim() else '?'}] (in_features = "
+                         f"last dimension of gate), got {tuple(weight.shape)}")
+    out_features, width = weight.shape
+    if (lora_A is None) != (lora_B is None):
+        raise ValueError("lora_A, lora_B: expected both or neither")
+    tensors = {"gate": gate, "up": up, "weight": weight}
+    if lora_A is not None:
+        check_float_tensor("lora_A", lora_A)
+        check_float_tensor("lora_B", lora_B)
+        if lora_A.dim() != 2 or lora_A.shape[1] != width:
+            raise ValueError(f"lora_A: expected [r, {width}], got {tuple(lora_A.shape)}")
+        if lora_B.dim() != 2 or tuple(lora_B.shape) != (out_features, lora_A.shape[0]):
+            raise ValueError(f"lora_B: expected [{out_features}, {lora_A.shape[0]}] (out_features, rank of lora_A), "
+                             f"got {tuple(lora_B.shape)}")
+        tensors.update(lora_A=lora_A, lora_B=lora_B)
+    if bias is not None:
+        check_float_tensor("bias", bias)
+        if tuple(bias.shape) != (out_features,):
+            raise ValueError(f"bias: expected [{out_features}], got {tuple(bias.shape)}")
+        tensors["bias"] = bias
+    check_same_device(**tensors)
+    scaling = _check_scaling("scaling", scaling)
+    _check_rounding(rounding)
+    with torch.autocast(device_type=gate.device.type, enabled=False):
+        return SwiGLUDownFunction.apply(gate, up, weight, bias, lora_A, lora_B, scaling, rounding, None,
+                                        _inplace_mode(inplace_backward))
