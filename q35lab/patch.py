@@ -1000,7 +1000,9 @@ def apply_to_qwen3_5(
     model without LoRA layers says so. A patched model can be deep-copied (the copy computes
     with its own weights), pickled with ``torch.save`` and compiled (q35lab's ops are graph
     breaks). The fused loss makes no logits: while a forward hook is registered on ``lm_head``
-    (hooks expect logits) the model's own loss runs instead.
+    (hooks expect logits) the model's own loss runs instead. Likewise the MLP's down projection
+    joins the SwiGLU's node (``swiglu_down``, which keeps no SwiGLU output) except while a hook
+    is registered on it or its adapter has dropout: then it runs its own forward.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
