@@ -40,11 +40,11 @@ case $stage in
   tests) STEPS=tests TIMEOUT_tests=${TIMEOUT_tests:-330} bash scripts/gpu_run.sh ;;
   ops) STEPS=check,bench OPS="causal_conv1d swiglu delta_rule" BENCH_T="32768 131072" STEP_TIMEOUT=270 \
            bash scripts/gpu_run.sh ;;
-  step) e2e 300 q35lab 32768 --size 9b --steps 2 --breakdown ;;  # fla's autotuning, 3 steps, the profiled one:
-                                                                 # ~200 s on a fresh machine
+  step) e2e 330 q35lab 32768 --size 9b --steps 2 --breakdown --memory-at-peak ;;  # fla's autotuning, 3 steps,
+        # the allocator-recorded one, the profiled one: ~250 s on a fresh machine without .triton-autotune
   peers)  # on a fresh machine without .triton-autotune: axolotl's first step 188 s, PEFT + Liger's > 130 s (38249b1)
     e2e 200 peft+liger 32768 --size 9b --steps 2
-    e2e 240 peft+liger+axolotl 32768 --size 9b --steps 2
+    e2e 260 peft+liger+axolotl 32768 --size 9b --steps 2 --memory-at-peak  # what it keeps less of than q35lab
     e2e 140 peft 32768 --size 9b --steps 2
     ;;
   ablation)  # ablation.csv: PEFT with one optimization at a time, beside PEFT, PEFT + Liger and all of q35lab

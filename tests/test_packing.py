@@ -104,8 +104,10 @@ def test_a_row_with_restarting_position_ids_only_is_kept_apart_too(lengths):
     assert "position_ids restarting in one row" in report.runs["packed batches"]
     alone = _one_at_a_time(unpatched, sequences)
     _assert_same(positions_only_step(patched), alone)
-    leaked, _ = positions_only_step(unpatched)
-    assert not torch.allclose(leaked, alone[0], rtol=1e-4, atol=1e-5)  # what the derivation prevents
+    leaked, leaked_grads = positions_only_step(unpatched)
+    # what the derivation prevents: the sequences see each other. The gradients say so for every draw;
+    # the loss of this near-uniform tiny model (about ln V) can move by less than 1e-4 (seed 1392964597)
+    assert any(not torch.allclose(leaked_grads[n], g, rtol=1e-3, atol=1e-6) for n, g in alone[1].items())
     q35lab.revert(patched)
     torch.testing.assert_close(positions_only_step(patched)[0], leaked, rtol=1e-5, atol=1e-6)
 
