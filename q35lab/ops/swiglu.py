@@ -720,8 +720,10 @@ def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, lora
     projection and an optional LoRA adapter without dropout,
     ``y = h·Wᵀ + b + scaling · (h·Aᵀ)·Bᵀ``, ``h = silu(gate)·up``.
 
-    The same values and gradients as ``lora_linear(swiglu(gate, up), ...)`` (bit for bit: the
-    same kernels and GEMMs), without keeping ``h`` for the backward (``SwiGLUDownFunction``).
+    The same values and gradients as ``lora_linear(swiglu(gate, up), ...)``: the same GEMMs and
+    formulas, ``h`` rebuilt bit for bit (through the interpreter every result is the same bits;
+    compiled, the backward kernel's variant may round its products otherwise), without keeping
+    ``h`` for the backward (``SwiGLUDownFunction``).
 
     Args:
         gate, up: as for ``swiglu`` (the column blocks of a fused gate/up output are fine).
