@@ -142,13 +142,14 @@ def _store(ptrs, value, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_value(g, u, OUT_DTYPE: tl.constexpr, HF_ROUNDING: tl.constexpr):
-    """``silu(g)·u`` in fp32 from fp32 ``g`` and ``u``, before the store's rounding to OUT_DTYPE.
-    One function for the forward and for the backward that rebuilds ``h``: the same bits."""
+def _swiglu_value(g, u, H, HF_ROUNDING: tl.constexpr):
+    """``silu(g)·u`` in fp32 from fp32 ``g`` and ``u``, before the store's rounding to the dtype of
+    the output pointer ``H``. One function for the forward and for the backward that rebuilds
+    ``h``: the same bits."""
     if HF_ROUNDING:
         # torch's silu is g / (1 + e^-g) with an IEEE division, rounded to the input dtype;
         # the product of two 16-bit tensors is then rounded again.
-        a = tl.div_rn(g, 1.0 + tl.exp(-g)).to(OUT_DTYPE).to(tl.float32)
+        a = tl.div_rn(g, 1.0 + tl.exp(-g)).to(H.dtype.element_ty).to(tl.float32)
         return a * u
     else:
         return g * tl.sigmoid(g) * u
@@ -172,7 +173,7 @@ def _swiglu_fwd_kernel(
     row0, rows, cols, mask = _tile(n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
     g = _load(G + row0 * stride_g + (rows * stride_g + cols), mask, EVEN)
     u = _load(U + row0 * stride_u + (rows * stride_u + cols), mask, EVEN)
-    h = _swiglu_value(g, u, H.dtype.element_ty, HF_ROUNDING)
+    h = _swiglu_value(g, u, H, HF_ROUNDING)
     _store(H + row0 * stride_h + (rows * stride_h + cols), h, mask, EVEN)
 
 
@@ -214,7 +215,7 @@ def _swiglu_bwd_kernel(
     if NEED_DU:
         _store(DU + row0 * stride_du + (rows * stride_du + cols), dh * (g * s), mask, EVEN)
     if STORE_H:
-        h = _swiglu_value(g, u, H.dtype.element_ty, HF_ROUNDING)
+        h = _swiglu_value(g, u, H, HF_ROUNDING)
         _store(H + row0 * stride_h + (rows * stride_h + cols), h, mask, EVEN)
 
 
