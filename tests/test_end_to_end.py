@@ -4,6 +4,8 @@ import collections
 import json
 import math
 
+import types
+
 import pytest
 import torch
 import triton
@@ -241,9 +243,23 @@ def test_long_context_variants_tile_the_mlps_and_offload_what_the_host_holds(mon
     from q35lab.bench.e2e import variants
 
     model = _model()
-    report = e2e.prepare(model, "q35lab+long", tokens=16)
-    assert any("tiled" in name for name in report.replaced), report
+    report = e2e.prepare(model, "q35lab+offload", tokens=16)  # the mechanism: every layer the host holds
     assert any("offloaded" in name for name in report.replaced), report
+    # the long variant offloads what the memory model says the step needs: nothing at 16 tokens
+    report = e2e.prepare(_model(), "q35lab+long", tokens=16)
+    assert any("tiled" in name for name in report.replaced), report
+    assert not any("offloaded" in name for name in report.replaced), report
+    config = e2e.config("9b")
+    monkeypatch.setattr("q35lab.long_context.host_memory_available", lambda: 125 * 2**30)
+    big = types.SimpleNamespace(config=config)
+    planned = q35lab.long_context.plan_offload_layers(config, 512 * 1024, host_bytes=125 * 2**30,
+                                                      tiled_mlp_tokens=8192, tiled_gdn_tokens=8192)
+    assert planned[1] and variants.planned_offload_layers(big, 512 * 1024, tiled_mlp_tokens=8192,
+                                                          tiled_gdn_tokens=8192) == planned[0] > 0
+    assert variants.planned_offload_layers(big, 32768, tiled_mlp_tokens=8192, tiled_gdn_tokens=8192) == 0
+    # where no fit is predicted, every layer the host holds: the attempt still runs
+    assert variants.planned_offload_layers(big, 4 * 2**20, tiled_mlp_tokens=8192) == variants.offloadable_layers(
+        big, 4 * 2**20)
     layers = model.config.get_text_config().num_hidden_layers
     per_layer = 4096 * model.config.get_text_config().hidden_size * 2
     monkeypatch.setattr("q35lab.long_context.host_memory_available", lambda: q35lab.long_context.default_host_reserve() + 2.5 * per_layer)

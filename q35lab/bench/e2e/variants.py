@@ -18,7 +18,7 @@ LONG_CONTEXT = {
     "q35lab+tiled": "q35lab with the sequence-tiled MLP (tiles of 8192 tokens)",
     "q35lab+offload": "q35lab with decoder-layer checkpoints offloaded to host memory (as many layers as it holds)",
     "q35lab+long": "q35lab with all three: the tiled MLP, the tiled GatedDeltaNet (tiles of 8192 tokens) and the "
-                   "checkpoint offload",
+                   "checkpoint offload of the fewest layers the memory model says the step needs",
 }
 VARIANTS = {
     "peft": "PEFT with its defaults (fp32 adapters, input cast)",
@@ -57,8 +57,11 @@ def prepare(model, variant: str, tokens: int | None = None):
             options["tiled_mlp"] = TILE_TOKENS
         if variant == "q35lab+long":
             options["tiled_gdn"] = TILE_TOKENS
-        if variant != "q35lab+tiled":
+        if variant == "q35lab+offload":  # the mechanism's cost: every layer the host holds
             options["offload_checkpoints"] = offloadable_layers(model, tokens)
+        elif variant == "q35lab+long":  # as a long-context user runs it: what the step needs
+            options["offload_checkpoints"] = planned_offload_layers(model, tokens, tiled_mlp_tokens=TILE_TOKENS,
+                                                                    tiled_gdn_tokens=TILE_TOKENS)
         return apply_to_qwen3_5(model, **options)
     return apply_to_qwen3_5(model, **_flags(variant))
 
@@ -76,6 +79,19 @@ def _flags(variant: str) -> dict:
     if variant.startswith("q35lab-"):
         return {f: f != variant.split("-", 1)[1] for f in ALL_FLAGS}
     return dict.fromkeys(ALL_FLAGS, True)
+
+
+def planned_offload_layers(model, tokens: int | None, **tiles) -> int:
+    """The fewest decoder layers to offload that the memory model says a step of ``tokens`` needs
+    on an H200 (``long_context.plan_offload_layers`` with the tiles' settings, this host's memory):
+    none at lengths that fit without. Where it predicts no fit, every layer the host holds
+    (``offloadable_layers``), so that the attempt still runs and says how far it got."""
+    from ...long_context import plan_offload_layers
+
+    if tokens is None:
+        return offloadable_layers(model, tokens)
+    layers, fits = plan_offload_layers(model.config.get_text_config(), tokens, **tiles)
+    return layers if fits else offloadable_layers(model, tokens)
 
 
 def offloadable_layers(model, tokens: int | None, reserve_bytes: float | None = None) -> int:
