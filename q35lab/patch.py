@@ -274,6 +274,8 @@ def _projection_now(module: torch.nn.Module) -> Projection | None:
     if type(module) is torch.nn.Linear:
         return Projection(module.weight, module.bias)
     base = module.base_layer
+    if module.disable_adapters and module.merged:  # PEFT's forward unmerges first: only it is exact
+        return None
     if module.disable_adapters or module.merged:  # PEFT's forward is then base_layer(x) alone
         return Projection(base.weight, base.bias)
     active = [name for name in module.active_adapters if name in module.lora_A]
@@ -558,9 +560,9 @@ def _unpatch_conv(gdn: torch.nn.Module, report: "PatchReport") -> None:
 # ----------------------------------------------------------------------------------------------
 # The MLP, down(silu(gate(x)) · up(x)): gate and up share their input, so with frozen bases they
 # become one fused node like the in_proj (their weights packed into one buffer), and the SwiGLU
-# between them is one Triton kernel forward and backward. down_proj keeps its own forward (routed
-# through lora_linear by lora=True). Anything the fusion cannot compute exactly keeps the
-# projections' own forwards; the SwiGLU kernel runs either way.
+# between them is one Triton kernel forward and backward, which also computes down_proj
+# (swiglu_down) where its own forward is not needed: see _MLPForward. Anything the fusion cannot
+# compute exactly keeps the projections' own forwards; the SwiGLU kernel runs either way.
 # ----------------------------------------------------------------------------------------------
 MLP_CLASSES = ("Qwen3_5MLP", "Qwen3_5MoeMLP")
 _MLP = "_q35lab_mlp"  # attribute of an MLP whose forward q35lab computes
@@ -609,6 +611,8 @@ class _MLPForward(_Forward):
         down = _projection_now(down_proj)
         if down is None or down.dropout or _compute_dtype(gate) != gate.dtype:
             return None
+        if down.lora_A is not None and _is_peft_lora_linear(down_proj) and _marked(down_proj, _LORA_PATCHED) is None:
+            return None  # lora=False: the adapter's math stays PEFT's, as on every other projection
         return down
 
 
@@ -687,13 +691,19 @@ def _flce_problem(model: torch.nn.Module) -> str | None:
     return None
 
 
+#: A module's hook dictionaries, forward and backward (``register_full_backward_hook`` and its
+#: pre-hook act through the module call too), and nn.Module's global ones of the same kinds.
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
 def _hooks_would_see(*modules: torch.nn.Module | None) -> bool:
-    """Whether a forward (pre-)hook of one of ``modules`` or a global one would see the call: a
-    fused path that does not call those modules must then let them run."""
+    """Whether a hook of one of ``modules`` or a global module hook would see the call, forward or
+    backward: a fused path that does not call those modules must then let them run."""
     from torch.nn.modules import module as nn_module
 
-    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks or any(
-        m._forward_hooks or m._forward_pre_hooks for m in modules if m is not None))
+    if any(getattr(nn_module, f"_global{name}", None) for name in _HOOKS):
+        return True
+    return any(getattr(m, name, None) for m in modules if m is not None for name in _HOOKS)
 
 
 def _head_has_hooks(head: torch.nn.Module) -> bool:

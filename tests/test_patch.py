@@ -350,6 +350,53 @@ def test_mlp_down_projection_runs_its_own_forward_with_dropout_or_a_hook(monkeyp
     swiglu.clear(), swiglu_down.clear()
     model(input_ids=ids, labels=ids)
     assert not swiglu and len(swiglu_down) == 2
+    # a backward hook acts through the module call too: the module runs, and its hook fires
+    model.train()
+    down.lora_dropout["default"] = torch.nn.Identity()
+    handle = down.register_full_backward_hook(lambda module, grad_in, grad_out: seen.append("backward"))
+    seen.clear(), swiglu.clear(), swiglu_down.clear()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert seen == ["backward"] and len(swiglu) == 1 and len(swiglu_down) == 1
+    handle.remove()
+
+
+def test_with_lora_off_the_down_adapter_keeps_peft_s_forward(monkeypatch):
+    """lora=False leaves every adapter's math to PEFT: the down projection's too (its frozen base
+    alone, with no adapter, still joins the SwiGLU's node)."""
+    peft = pytest.importorskip("peft")
+    from q35lab.ops.swiglu import SwiGLUDownFunction
+
+    model = peft.get_peft_model(causal_lm(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["down_proj", "q_proj"]))
+    q35lab.apply_to_qwen3_5(model, lora=False)
+    swiglu_down = count_forward_calls(monkeypatch, SwiGLUDownFunction)
+    ids = torch.randint(0, 128, (2, 9), device=device())
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert not swiglu_down
+    plain = causal_lm().requires_grad_(False)  # frozen bases, no adapters
+    q35lab.apply_to_qwen3_5(plain, lora=False)
+    plain(input_ids=ids, labels=ids)
+    assert len(swiglu_down) == 2
+
+
+def test_merged_adapters_with_adapters_disabled_compute_what_peft_computes():
+    """PEFT's forward of a merged layer with its adapters disabled unmerges first: the fused paths
+    (gate/up, in_proj, the down projection) must not use the merged weight as the base."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(causal_lm(), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.2)
+    ids = torch.randint(0, 128, (2, 9), device=device())
+    patched = copy.deepcopy(model)
+    q35lab.apply_to_qwen3_5(patched)  # then merged, as a user merges a trained model
+    for m in (model, patched):
+        m.merge_adapter()
+    with torch.no_grad(), model.disable_adapter():
+        expected = model(input_ids=ids, labels=ids).loss
+    with torch.no_grad(), patched.disable_adapter():
+        got = patched(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("targets", [["gate_proj", "up_proj", "down_proj"], ["up_proj"], []],

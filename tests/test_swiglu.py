@@ -498,7 +498,8 @@ def _down_case(rows, width, out, rank, dtype, adapter, bias):
     return x, w_g, w_u, weight, lora_A, lora_B, b
 
 
-@pytest.mark.parametrize("rows, width, out, rank", [(5, 37, 11, 3), (1, 64, 8, 4), (7, 1, 5, 2), (33, 300, 17, 16)])
+@pytest.mark.parametrize("rows, width, out, rank", [(5, 37, 11, 3), (1, 64, 8, 4), (7, 1, 5, 2), (33, 300, 17, 16),
+                                                    (3, 8, 0, 2), (0, 8, 5, 2), (3, 0, 5, 2), (4, 6, 5, 0)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("adapter, bias", [(True, False), (False, False), (True, True)], ids=["lora", "base", "lora-bias"])
 def test_swiglu_down_gives_the_bits_of_lora_linear_after_swiglu(rows, width, out, rank, dtype, adapter, bias):
@@ -569,3 +570,26 @@ def test_swiglu_down_errors_name_the_argument():
             (lambda: swiglu_down(g, u[:, :9], w), "up")):
         with pytest.raises((TypeError, ValueError), match=match):
             call()
+
+
+@pytest.mark.parametrize("op", ["swiglu", "swiglu_never", "swiglu_down"])
+def test_broadcast_rows_of_one_buffer_are_not_a_pair(op):
+    """gate and up expanded from one [1, 2I] row (row stride 0): not two blocks side by side, and
+    their gradients are the reference's (summed over the broadcast rows)."""
+    from q35lab.ops.swiglu import swiglu_down
+
+    base = torch.randn(1, 20, device=device(), requires_grad=True)
+    weight = torch.randn(3, 10, device=device())
+
+    def run(fn, b):
+        gu = b * 1.0
+        gate, up = gu[:, :10].expand(4, 10), gu[:, 10:].expand(4, 10)
+        return fn(gate, up)
+
+    ops = {"swiglu": lambda g, u: swiglu(g, u), "swiglu_never": lambda g, u: swiglu(g, u, inplace_backward=False),
+           "swiglu_down": lambda g, u: swiglu_down(g, u, weight)}
+    refs = {"swiglu": swiglu_ref, "swiglu_never": swiglu_ref, "swiglu_down": lambda g, u: swiglu_ref(g, u) @ weight.t()}
+    run(ops[op], base).sum().backward()
+    ref_base = base.detach().clone().requires_grad_()
+    run(refs[op], ref_base).sum().backward()
+    torch.testing.assert_close(base.grad, ref_base.grad, rtol=1e-5, atol=1e-6)

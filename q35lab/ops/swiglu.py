@@ -445,8 +445,8 @@ def _side_by_side(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if rows == 1:  # one row each: two runs of `width` elements
         return abs(b.storage_offset() - a.storage_offset()) >= width
-    if a.stride(0) != b.stride(0):
-        return False
+    if a.stride(0) != b.stride(0) or a.stride(0) < 2 * width:
+        return False  # (a row stride below two widths cannot hold both: repeated or overlapping rows)
     gap = (b.storage_offset() - a.storage_offset()) % a.stride(0)
     return width <= gap <= a.stride(0) - width
 
@@ -484,7 +484,7 @@ def _overwrite_plan(ctx, gate, up, g_counts, u_counts, need_dg: bool, need_du: b
     each the other's only co-owner of the buffer, and both may be written over."""
     g2d, _ = _rows(gate)  # views: the saved tensors have a row stride by construction
     u2d, _ = _rows(up)
-    pair = _side_by_side(g2d, u2d)
+    pair = ctx.inplace == "auto" and _side_by_side(g2d, u2d)
     into_g = need_dg and _may_overwrite(ctx.inplace, gate, g_counts, ctx.owned[0], up, dh,
                                         sibling=up if pair else None)
     into_u = need_du and _may_overwrite(ctx.inplace, up, u_counts, ctx.owned[1], gate, dh,
@@ -614,14 +614,14 @@ class SwiGLUDownFunction(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, dy):
-        from .lora import _scaled_product
+        from .lora import _rows as _n_rows, _scaled_product
 
         gate, up, weight, lora_A, lora_B, xa = ctx.saved_tensors
         g_counts = _ownership(gate)  # first: nothing below may hold extra references yet
         u_counts = _ownership(up)
         need_dg, need_du, need_w, need_b, need_a, need_bm = ctx.needs_input_grad[:6]
         dtype = gate.dtype
-        dy2d = dy.reshape(-1, dy.shape[-1]).to(dtype)
+        dy2d = dy.reshape(_n_rows(gate), dy.shape[-1]).to(dtype)  # (-1 is ambiguous with no features)
         w = weight.to(dtype)
         dxa = None
         if lora_A is not None:
