@@ -1514,7 +1514,8 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
     memory then holds k·H·e per token. ``mlp_keeps_h``: the MLP's down projection runs its own
     forward and so keeps the SwiGLU output (I·e a token, and a tile's (H + 4I)·e when tiled) — where
     its adapter has dropout or a hook watches it, and in q35lab before ``swiglu_down`` (the H200
-    measurements up to commit 38249b1).
+    measurements up to commit 38249b1, whose MLP backward also allocated fresh dgate and dup, 2I·e
+    more, which no setting here counts).
     """
     d = _dims(config)
     e, r = int(dtype_bytes), int(lora_rank)

@@ -71,9 +71,13 @@ def _git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
         commit = out.stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":/",
-                                ":(top,exclude)data", ":(top,exclude)notebooks"], cwd=here,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":/",
+                                 ":(top,exclude)data", ":(top,exclude)notebooks"], cwd=here,
+                                capture_output=True, text=True, timeout=5)
+        if status.returncode != 0:  # a git without pathspec magic: any change counts
+            status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                                    capture_output=True, text=True, timeout=5)
+        dirty = status.stdout.strip() if status.returncode == 0 else "unknown"
         return (commit + ("+dirty" if dirty else "")) if commit else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
