@@ -594,7 +594,10 @@ class _MLPForward(_Forward):
 
     def __call__(self, x):
         mlp = self.module
-        gate_up = self.group.fused(x) if self.group is not None else None
+        # the fused group leaves gate_proj's and up_proj's module calls out: a hook on either (PEFT's
+        # adapter_names pre-hooks of a mixed-adapter batch among them) needs those calls
+        hooked = self.group is not None and _hooks_would_see(*mlp.gate_proj.modules(), *mlp.up_proj.modules())
+        gate_up = self.group.fused(x) if self.group is not None and not hooked else None
         gate, up = gate_up if gate_up is not None else (mlp.gate_proj(x), mlp.up_proj(x))
         down = self._down_now(gate)
         if down is None:

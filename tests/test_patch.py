@@ -360,6 +360,34 @@ def test_mlp_down_projection_runs_its_own_forward_with_dropout_or_a_hook(monkeyp
     handle.remove()
 
 
+def test_a_mixed_adapter_batch_and_hooks_on_gate_or_up_get_their_module_calls():
+    """PEFT's adapter_names (one adapter per row) works through pre-hooks on each LoRA layer, which
+    the fused gate/up node would leave out: the logits must be PEFT's, row by row."""
+    peft = pytest.importorskip("peft")
+    targets = ["gate_proj", "up_proj", "down_proj"]
+    model = peft.get_peft_model(causal_lm(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    model.add_adapter("other", peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.5)
+    model.eval()
+    reference = copy.deepcopy(model)
+    q35lab.apply_to_qwen3_5(model)
+    ids = torch.randint(0, 128, (2, 7), device=device())
+    with torch.no_grad():
+        got = model(input_ids=ids, adapter_names=["default", "other"]).logits
+        expected = reference(input_ids=ids, adapter_names=["default", "other"]).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    seen = []
+    gate = model.get_base_model().model.layers[1].mlp.gate_proj
+    handle = gate.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    with torch.no_grad():
+        model(input_ids=ids)
+    handle.remove()
+    assert seen == [(2, 7, 96)]
+
+
 def test_with_lora_off_the_down_adapter_keeps_peft_s_forward(monkeypatch):
     """lora=False leaves every adapter's math to PEFT: the down projection's too (its frozen base
     alone, with no adapter, still joins the SwiGLU's node)."""
