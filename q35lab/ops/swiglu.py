@@ -208,15 +208,18 @@ def _swiglu_bwd_kernel(
     dh = _load(DH + row0 * stride_dh + (rows * stride_dh + cols), mask, EVEN)
     g = _load(G + row0 * stride_g + (rows * stride_g + cols), mask, EVEN)
     s = tl.sigmoid(g)
-    if NEED_DG or STORE_H:
-        u = _load(U + row0 * stride_u + (rows * stride_u + cols), mask, EVEN)
+    # every branch is a compile-time one (constexpr flags), each reading u at most once
     if NEED_DG:
+        u = _load(U + row0 * stride_u + (rows * stride_u + cols), mask, EVEN)
         _store(DG + row0 * stride_dg + (rows * stride_dg + cols), dh * u * s * (1.0 + g * (1.0 - s)), mask, EVEN)
-    if NEED_DU:
+        if STORE_H:
+            _store(H + row0 * stride_h + (rows * stride_h + cols), _swiglu_value(g, u, H, HF_ROUNDING), mask, EVEN)
+    else:
+        if STORE_H:
+            u = _load(U + row0 * stride_u + (rows * stride_u + cols), mask, EVEN)
+            _store(H + row0 * stride_h + (rows * stride_h + cols), _swiglu_value(g, u, H, HF_ROUNDING), mask, EVEN)
+    if NEED_DU:  # (u's memory may take du: it was read above where needed)
         _store(DU + row0 * stride_du + (rows * stride_du + cols), dh * (g * s), mask, EVEN)
-    if STORE_H:
-        h = _swiglu_value(g, u, H, HF_ROUNDING)
-        _store(H + row0 * stride_h + (rows * stride_h + cols), h, mask, EVEN)
 
 
 # --------------------------------------------------------------------------------------------
