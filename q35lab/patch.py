@@ -591,6 +591,7 @@ class _MLPForward(_Forward):
         pair = [module.gate_proj, module.up_proj]
         fusable = not any(map(_projection_problem, pair))
         self.group = _ProjectionGroup(pair) if fusable else None
+        self.down_fusable = _projection_problem(module.down_proj) is None  # what a call cannot change
 
     def __call__(self, x):
         mlp = self.module
@@ -609,7 +610,7 @@ class _MLPForward(_Forward):
         """This call's down projection as a ``Projection`` for ``swiglu_down``, or None when its
         own forward must run (see the class docstring)."""
         down_proj = self.module.down_proj
-        if _projection_problem(down_proj) or _hooks_would_see(*down_proj.modules()):
+        if not self.down_fusable or _hooks_would_see(*down_proj.modules()):
             return None
         down = _projection_now(down_proj)
         if down is None or down.dropout or _compute_dtype(gate) != gate.dtype:

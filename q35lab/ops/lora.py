@@ -100,6 +100,61 @@ def lora_linear_ref(x, weight, lora_A, lora_B, scaling, bias=None, dropout=0.0, 
     return y + torch.nn.functional.linear(xa, lora_B.to(dtype)) * scaling
 
 
+def _project_into(y2d, x2d, weight, bias, xa, b_scaled) -> None:
+    """``y2d = x·Wᵀ + b + xa·b_scaledᵀ`` (``xa`` None: no adapter), in ``x2d``'s dtype: the adapter's
+    thin GEMM written first, then the base GEMM accumulates onto it (its epilogue adds the adapter
+    term rather than a memory-bound pass over y)."""
+    dtype = x2d.dtype
+    bias = None if bias is None else bias.to(dtype)
+    if xa is None:
+        left, right = x2d, weight.to(dtype).t()
+    else:
+        left, right = xa, b_scaled.t()
+    if bias is None:
+        torch.mm(left, right, out=y2d)
+    else:
+        torch.addmm(bias, left, right, out=y2d)
+    if xa is not None:
+        y2d.addmm_(x2d, weight.to(dtype).t())
+
+
+def _input_grad(dy2d, weight, dxa, lora_A, dropout: float = 0.0, seed: int = 0) -> torch.Tensor:
+    """``dx = dy·W + (dxa·A) ⊙ m/(1 − p)`` (``dxa`` None: no adapter): the adapter's term first
+    (the dropout mask applies to it alone), then the base GEMM accumulates onto it."""
+    dtype = dy2d.dtype
+    if dxa is None:
+        return dy2d @ weight.to(dtype)
+    dx = dxa @ lora_A.to(dtype)
+    if dropout:
+        dx.mul_(dropout_mask(dx, dropout, seed)).div_(1.0 - dropout)
+    return dx.addmm_(dy2d, weight.to(dtype))
+
+
+def _check_projection_args(input_name: str, in_features: int, weight, lora_A, lora_B, bias) -> None:
+    """``weight [N, in_features]``, ``lora_A [r, in_features]`` with ``lora_B [N, r]`` (both or
+    neither), ``bias [N]``: float tensors, errors naming the argument."""
+    check_float_tensor("weight", weight)
+    if weight.dim() != 2 or weight.shape[1] != in_features:
+        raise ValueError(f"weight: expected [out_features, {in_features}] (in_features = last dimension of "
+                         f"{input_name}), got {tuple(weight.shape)}")
+    if (lora_A is None) != (lora_B is None):
+        raise ValueError("lora_A, lora_B: expected both or neither")
+    out_features = weight.shape[0]
+    if lora_A is not None:
+        check_float_tensor("lora_A", lora_A)
+        check_float_tensor("lora_B", lora_B)
+        if lora_A.dim() != 2 or lora_A.shape[1] != in_features:
+            raise ValueError(f"lora_A: expected [r, {in_features}], got {tuple(lora_A.shape)}")
+        rank = lora_A.shape[0]
+        if lora_B.dim() != 2 or tuple(lora_B.shape) != (out_features, rank):
+            raise ValueError(f"lora_B: expected [{out_features}, {rank}] (out_features, rank of lora_A), "
+                             f"got {tuple(lora_B.shape)}")
+    if bias is not None:
+        check_float_tensor("bias", bias)
+        if tuple(bias.shape) != (out_features,):
+            raise ValueError(f"bias: expected [{out_features}], got {tuple(bias.shape)}")
+
+
 class LoRALinearFunction(torch.autograd.Function):
     """One node for base projection + adapter; see the module docstring for the math."""
 
@@ -112,12 +167,7 @@ class LoRALinearFunction(torch.autograd.Function):
         # Returned in its final shape (written through a [T, N] view): a view made here could not
         # be edited in place by the caller.
         y = torch.empty(*x.shape[:-1], weight.shape[0], dtype=dtype, device=x.device)
-        y2d = y.view(T, weight.shape[0])
-        if bias is None:
-            torch.mm(xa, b_scaled.t(), out=y2d)
-        else:
-            torch.addmm(bias.to(dtype), xa, b_scaled.t(), out=y2d)
-        y2d.addmm_(x2d, weight.to(dtype).t())  # the base GEMM's epilogue adds the adapter term
+        _project_into(y.view(T, weight.shape[0]), x2d, weight, bias, xa, b_scaled)
         ctx.save_for_backward(x2d, weight, lora_A, lora_B, xa)
         ctx.scaling, ctx.dropout, ctx.seed, ctx.has_bias = scaling, dropout, seed, bias is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -131,15 +181,10 @@ class LoRALinearFunction(torch.autograd.Function):
         needs_x, needs_w, needs_b, needs_a, needs_bm = ctx.needs_input_grad[:5]
         dtype = x2d.dtype
         dy2d = dy.reshape(x2d.shape[0], dy.shape[-1]).to(dtype)
-        a, b_scaled = lora_A.to(dtype), (lora_B * ctx.scaling).to(dtype)
-        dxa = dy2d @ b_scaled  # [T, r]: s · dy·B
+        dxa = dy2d @ (lora_B * ctx.scaling).to(dtype)  # [T, r]: s · dy·B
         dx = dA = dB = dW = db = None
         if needs_x:
-            dx = dxa @ a  # the adapter's term first ...
-            if ctx.dropout:  # (the mask applies to it alone)
-                dx.mul_(dropout_mask(dx, ctx.dropout, ctx.seed)).div_(1.0 - ctx.dropout)
-            dx.addmm_(dy2d, weight.to(dtype))  # ... then the base GEMM accumulates onto it
-            dx = dx.view(ctx.x_shape)
+            dx = _input_grad(dy2d, weight, dxa, lora_A, ctx.dropout, ctx.seed).view(ctx.x_shape)
         if needs_a:
             dA = (dxa.t() @ _dropped(x2d, ctx.dropout, ctx.seed)).to(lora_A.dtype)
         if needs_bm:
@@ -185,22 +230,10 @@ def lora_linear(x, weight, lora_A, lora_B, scaling, bias=None, dropout=0.0):
     Any size may be zero (no tokens, no features, rank 0): the result is then what ``F.linear`` gives.
     Opaque to ``torch.compile``: a graph break; the op runs eagerly with its own autograd node.
     """
-    for name, t in (("x", x), ("weight", weight), ("lora_A", lora_A), ("lora_B", lora_B)):
-        check_float_tensor(name, t)
-    if bias is not None:
-        check_float_tensor("bias", bias)
-    if weight.dim() != 2 or x.dim() == 0 or weight.shape[1] != x.shape[-1]:
-        raise ValueError(f"weight: expected [out_features, {x.shape[-1] if x.dim() else '?'}] "
-                         f"(in_features = last dimension of x), got {tuple(weight.shape)}")
-    out_features, in_features = weight.shape
-    if lora_A.dim() != 2 or lora_A.shape[1] != in_features:
-        raise ValueError(f"lora_A: expected [r, {in_features}], got {tuple(lora_A.shape)}")
-    rank = lora_A.shape[0]
-    if lora_B.dim() != 2 or tuple(lora_B.shape) != (out_features, rank):
-        raise ValueError(f"lora_B: expected [{out_features}, {rank}] (out_features, rank of lora_A), "
-                         f"got {tuple(lora_B.shape)}")
-    if bias is not None and tuple(bias.shape) != (out_features,):
-        raise ValueError(f"bias: expected [{out_features}], got {tuple(bias.shape)}")
+    check_float_tensor("x", x)
+    for name, t in (("lora_A", lora_A), ("lora_B", lora_B)):
+        check_float_tensor(name, t)  # required here (None would read as "no adapter")
+    _check_projection_args("x", x.shape[-1] if x.dim() else "?", weight, lora_A, lora_B, bias)
     scaling, dropout = _check_scaling("scaling", scaling), _check_dropout("dropout", dropout)
     check_same_device(x=x, weight=weight, lora_A=lora_A, lora_B=lora_B, **({} if bias is None else {"bias": bias}))
     dtype = _compute_dtype(x)

@@ -63,6 +63,7 @@ from ._autograd import first_order_only
 from ._checks import check_float_tensor, check_like, check_same_device
 from ._compile import opaque_to_compile
 from ._tuned import tuned_fields
+from .lora import _check_projection_args, _check_scaling, _input_grad, _project_into, _scaled_product
 
 __all__ = [
     "ROUNDINGS",
@@ -590,24 +591,14 @@ class SwiGLUDownFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, weight, bias, lora_A, lora_B, scaling: float, rounding: str,
                 config: LaunchConfig | None, inplace: str):
-        from .lora import _rows as _n_rows
-
         g2d, g_copied = _rows(gate)
         u2d, u_copied = _rows(up)
-        dtype, T, N = gate.dtype, _n_rows(gate), weight.shape[0]
+        dtype, N = gate.dtype, weight.shape[0]
         h = swiglu_fwd(g2d, u2d, rounding, config=config)
         y = torch.empty(*gate.shape[:-1], N, dtype=dtype, device=gate.device)  # its own tensor, not a view
-        y2d = y.view(T, N)
-        bias_cast = None if bias is None else bias.to(dtype)
-        if lora_A is not None:
-            xa = h @ lora_A.to(dtype).t()  # [T, r]
-            b_scaled = (lora_B * scaling).to(dtype)
-            torch.mm(xa, b_scaled.t(), out=y2d) if bias is None else torch.addmm(bias_cast, xa, b_scaled.t(), out=y2d)
-            y2d.addmm_(h, weight.to(dtype).t())  # the base GEMM's epilogue adds the adapter term
-        else:
-            xa = None
-            torch.mm(h, weight.to(dtype).t(), out=y2d) if bias is None else torch.addmm(
-                bias_cast, h, weight.to(dtype).t(), out=y2d)
+        xa = None if lora_A is None else h @ lora_A.to(dtype).t()  # [T, r]
+        b_scaled = None if lora_B is None else (lora_B * scaling).to(dtype)
+        _project_into(y.view(g2d.shape[0], N), h, weight, bias, xa, b_scaled)  # as lora_linear computes it
         del h  # not saved: rebuilt in the backward
         ctx.save_for_backward(g2d if g_copied else gate, u2d if u_copied else up, weight, lora_A, lora_B, xa)
         ctx.owned, ctx.scaling, ctx.rounding, ctx.config, ctx.inplace = (g_copied, u_copied), scaling, rounding, config, inplace
@@ -617,22 +608,14 @@ class SwiGLUDownFunction(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, dy):
-        from .lora import _rows as _n_rows, _scaled_product
-
         gate, up, weight, lora_A, lora_B, xa = ctx.saved_tensors
         g_counts = _ownership(gate)  # first: nothing below may hold extra references yet
         u_counts = _ownership(up)
         need_dg, need_du, need_w, need_b, need_a, need_bm = ctx.needs_input_grad[:6]
         dtype = gate.dtype
-        dy2d = dy.reshape(_n_rows(gate), dy.shape[-1]).to(dtype)  # (-1 is ambiguous with no features)
-        w = weight.to(dtype)
-        dxa = None
-        if lora_A is not None:
-            dxa = dy2d @ (lora_B * ctx.scaling).to(dtype)  # [T, r]: s · dy·B
-            dh = dxa @ lora_A.to(dtype)
-            dh.addmm_(dy2d, w)
-        else:
-            dh = dy2d @ w
+        dy2d = dy.reshape(math.prod(gate.shape[:-1]), dy.shape[-1]).to(dtype)  # (-1 is ambiguous with no features)
+        dxa = None if lora_A is None else dy2d @ (lora_B * ctx.scaling).to(dtype)  # [T, r]: s · dy·B
+        dh = _input_grad(dy2d, weight, dxa, lora_A)  # needs no h
         g2d, u2d, into_g, into_u = _overwrite_plan(ctx, gate, up, g_counts, u_counts, need_dg, need_du, dh)
         need_h = need_a or need_w
         dg, du = swiglu_bwd(dh, g2d, u2d, need_dg=need_dg, need_du=need_du, dg=g2d if into_g else None,
@@ -736,34 +719,13 @@ def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, lora
         scaling: the adapter scale, a finite real number. bias: optional ``[N]``.
         rounding, inplace_backward: as for ``swiglu``.
     """
-    from .lora import _check_scaling
-
     check_float_tensor("gate", gate)
     check_float_tensor("up", up)
     check_like("up", up, "gate", gate)
-    check_float_tensor("weight", weight)
-    if gate.dim() == 0 or weight.dim() != 2 or weight.shape[1] != gate.shape[-1]:
-        raise ValueError(f"weight: expected [out_features, {gate.shape[-1] if gate.dim() else '?'}] (in_features = "
-                         f"last dimension of gate), got {tuple(weight.shape)}")
-    out_features, width = weight.shape
-    if (lora_A is None) != (lora_B is None):
-        raise ValueError("lora_A, lora_B: expected both or neither")
-    tensors = {"gate": gate, "up": up, "weight": weight}
-    if lora_A is not None:
-        check_float_tensor("lora_A", lora_A)
-        check_float_tensor("lora_B", lora_B)
-        if lora_A.dim() != 2 or lora_A.shape[1] != width:
-            raise ValueError(f"lora_A: expected [r, {width}], got {tuple(lora_A.shape)}")
-        if lora_B.dim() != 2 or tuple(lora_B.shape) != (out_features, lora_A.shape[0]):
-            raise ValueError(f"lora_B: expected [{out_features}, {lora_A.shape[0]}] (out_features, rank of lora_A), "
-                             f"got {tuple(lora_B.shape)}")
-        tensors.update(lora_A=lora_A, lora_B=lora_B)
-    if bias is not None:
-        check_float_tensor("bias", bias)
-        if tuple(bias.shape) != (out_features,):
-            raise ValueError(f"bias: expected [{out_features}], got {tuple(bias.shape)}")
-        tensors["bias"] = bias
-    check_same_device(**tensors)
+    _check_projection_args("gate", gate.shape[-1] if gate.dim() else "?", weight, lora_A, lora_B, bias)
+    check_same_device(gate=gate, up=up, weight=weight, **{name: t for name, t in
+                                                         (("lora_A", lora_A), ("lora_B", lora_B), ("bias", bias))
+                                                         if t is not None})
     scaling = _check_scaling("scaling", scaling)
     _check_rounding(rounding)
     with torch.autocast(device_type=gate.device.type, enabled=False):
