@@ -76,11 +76,15 @@ def main() -> int:
                                         text=True).stdout.strip()
     except OSError:
         meta["commit"] = ""
+    # a run of some files keeps the other files' rows, each with the commit it ran at
+    names = {f.name for f in files}
+    earlier = pd.read_csv(args.out) if Path(args.out).exists() else pd.DataFrame(columns=["file"])
+    earlier = earlier[~earlier.file.isin(names)]
     rows = []
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:  # the CSV rewritten as each file ends
         for done in concurrent.futures.as_completed([pool.submit(run_file, f, args.limit, logs) for f in files]):
             rows.append({**done.result(), **meta})
-            pd.DataFrame(rows).sort_values("file").to_csv(args.out, index=False)
+            pd.concat([earlier, pd.DataFrame(rows)]).sort_values("file").to_csv(args.out, index=False)
     table = pd.DataFrame(rows).sort_values("file")
     print(table[["file", "passed", "failed", "errors", "skipped", "seconds", "status"]].to_string(index=False))
     print("total: passed", table.passed.sum(), "failed", table.failed.sum(), "errors", table.errors.sum())
