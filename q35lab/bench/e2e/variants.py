@@ -22,7 +22,7 @@ LONG_CONTEXT = {
 }
 VARIANTS = {
     "peft": "PEFT with its defaults (fp32 adapters, input cast)",
-    "peft+liger": "PEFT + apply_liger_kernel_to_qwen3_5 (RMSNorm, SwiGLU, fused linear cross entropy)",
+    "peft+liger": "PEFT + apply_liger_kernel_to_qwen3_5 (_moe for the MoE): RMSNorm, SwiGLU, fused linear cross entropy",
     "peft+axolotl": "PEFT + axolotl 0.21's Qwen3.5 LoRA patches: LoRA kernels, gated norm (see _axolotl_patches)",
     "peft+liger+axolotl": "PEFT + axolotl 0.21's Qwen3.5 recipe with its Liger plugin: Liger's RMSNorm and fused linear "
                           "cross entropy, axolotl's LoRA kernels and gated norm; Liger's SwiGLU MLP is built but "
@@ -42,10 +42,11 @@ def prepare(model, variant: str, tokens: int | None = None):
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if variant == "peft":
         return None
-    if variant == "peft+liger":
-        from liger_kernel.transformers import apply_liger_kernel_to_qwen3_5
+    if variant == "peft+liger":  # Liger has one entry point for the dense models, one for the MoE
+        from liger_kernel import transformers as liger
 
-        apply_liger_kernel_to_qwen3_5(model=base)
+        moe = "Moe" in type(base).__name__
+        getattr(liger, "apply_liger_kernel_to_qwen3_5_moe" if moe else "apply_liger_kernel_to_qwen3_5")(model=base)
         return None
     if variant in ("peft+axolotl", "peft+liger+axolotl"):
         return _axolotl_patches(model, liger=variant == "peft+liger+axolotl")
