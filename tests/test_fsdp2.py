@@ -192,6 +192,11 @@ def _worker(rank: int, store: str, out_dir: str, seed: int) -> None:
     # a rank stuck (a collective its peer never joins) writes every thread's stack, then exits
     faulthandler.dump_traceback_later(DEADLINE_S - 20, exit=True, file=log)
     warnings.simplefilter("ignore")
+    # The ranks run on the CPU, where fla's kernels cannot run (their autotuner asks for a GPU
+    # driver: "0 active drivers" on the H200 machine, whose fla is on the path). Before anything
+    # imports transformers, fla is made absent, so transformers takes its PyTorch delta rule here
+    # as on a machine without fla (importlib's find_spec answers None for a None module entry).
+    sys.modules["fla"] = None
     torch.set_num_threads(1)  # two ranks on a 2-core machine
     if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in os.environ and any(
             name == "lo" for _, name in socket.if_nameindex()):
