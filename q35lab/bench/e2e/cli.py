@@ -32,6 +32,7 @@ import math
 import signal
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -73,7 +74,9 @@ def _measured(model, T: int, args) -> dict:
             try:  # an extra, optional look: its failure must not cost the measured row
                 row.update(memory_at_peak(model, T))
             except Exception as exc:  # (memory_at_peak has stopped the recording itself)
-                row["note"] = f"memory-at-peak failed: {type(exc).__name__}: {exc}"[:300]
+                where = " < ".join(f"{f.name} ({Path(f.filename).name}:{f.lineno})"
+                                   for f in reversed(traceback.extract_tb(exc.__traceback__)[-3:]))
+                row["note"] = f"memory-at-peak failed in {where}: {type(exc).__name__}: {exc}"[:400]
         return row
     except torch.cuda.OutOfMemoryError as exc:
         return dict(status="oom", note=out_of_memory_note(exc))

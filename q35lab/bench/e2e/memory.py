@@ -70,7 +70,10 @@ def memory_at_peak(model, T: int, lr: float = 1e-4) -> dict:
     device, vocab, optimizer = _training_setup(model, lr)
     ids = tokens(T, vocab, device, seed=0)
     torch.cuda.synchronize()
-    torch.cuda.memory._record_memory_history(stacks="python", max_entries=2_000_000)
+    # Stacks of allocations only (context="alloc"): the peak's sources need no more, and with the
+    # default ("all": stacks of frees too) every step recorded on the H200 under torch 2.11 failed
+    # inside an autograd Function's apply with "returned NULL without setting an exception"
+    torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=2_000_000)
     try:
         start = torch.cuda.memory_allocated()
         train_step(model, optimizer, ids)
