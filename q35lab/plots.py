@@ -240,4 +240,20 @@ def render(data: Path | None = None, ops=None) -> list[Path]:
             fig.savefig(out, dpi=110)
             plt.close(fig)
             written.append(out)
+    if not ops or "step_breakdown" in ops:
+        for csv_path in sorted((data / "bench").glob("*/step_breakdown.csv")):
+            written.append(_newest_step_breakdown(core.read_csv(csv_path), data / "figures" /
+                                                  figure_name("step_breakdown", "", csv_path.parent.name)))
     return written
+
+
+def _newest_step_breakdown(df: pandas.DataFrame, out: Path) -> Path:
+    """The figure of the step a step_breakdown.csv recorded last (its last row's step)."""
+    keys = [c for c in ("variant", "T", "size", "commit") if c in df]
+    last = df.iloc[-1]
+    step = df[(df[keys].astype(str) == last[keys].astype(str)).all(axis=1)]
+    fig = step_breakdown_figure(step)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
@@ -327,3 +328,22 @@ def test_version_comes_from_metadata_or_the_checkout(monkeypatch, tmp_path):
     (tmp_path / "pyproject.toml").write_text('[project]\nname = "q35lab"\nversion = "9.8.7"\n')
     assert core._checkout_version(tmp_path / "pyproject.toml") == "9.8.7"
     assert core._checkout_version(tmp_path / "missing.toml") == "unknown"
+
+
+def test_plots_draw_the_step_breakdown_of_the_last_recorded_step(tmp_path, monkeypatch):
+    committed = bench.DATA / "bench" / "nvidia-h200" / "step_breakdown.csv"
+    if not committed.exists():
+        pytest.skip("no step breakdown committed")
+    earlier = core.read_csv(committed)
+    later = earlier.assign(commit="later", ms=earlier.ms * 2)  # a second step, recorded after the first
+    folder = tmp_path / "bench" / "test-gpu"
+    folder.mkdir(parents=True)
+    pd.concat([earlier, later]).to_csv(folder / "step_breakdown.csv", index=False)
+    drawn = []
+    original = plots.step_breakdown_figure
+    monkeypatch.setattr(plots, "step_breakdown_figure", lambda rows: drawn.append(rows) or original(rows))
+    written = plots.render(tmp_path)
+    assert [p.name for p in written] == ["step_breakdown_test-gpu.png"]
+    assert written[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (rows,) = drawn
+    assert set(rows.commit) == {"later"} and len(rows) == len(earlier)
