@@ -28,6 +28,10 @@
 # the later processes of the same machine: TRITON_CACHE_AUTOTUNING=1): give it that much more, or
 # carry .triton-autotune (the triton-autotune/ folder of an earlier call's results.tgz, a few
 # hundred KB), which seeds the machine's Triton cache with those results (scripts/gpu_run.sh).
+#
+# Name the commit: Q35LAB_COMMIT=$(git rev-parse --short HEAD) in the command (the hash typed in).
+# The device's copy of the tree is current but its git metadata can be stale: on 2026-12-01 its
+# git said 5830af9+dirty for a tree that was 358bb36.
 set -uo pipefail
 [[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|step|peers|ablation|big|packed|flex|long|fsdp|notebooks ..."; exit 2; }
 csv=data/bench/nvidia-h200/end_to_end.csv

@@ -71,11 +71,9 @@ def main() -> int:
 
     meta = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
             "triton": triton.__version__, "date": datetime.date.today().isoformat()}
-    try:
-        meta["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                        text=True).stdout.strip()
-    except OSError:
-        meta["commit"] = ""
+    from q35lab.bench.core import _git_commit  # Q35LAB_COMMIT where set: the device's git metadata can be stale
+
+    meta["commit"] = _git_commit()
     # a run of some files keeps the other files' rows, each with the commit it ran at
     names = {f.name for f in files}
     earlier = pd.read_csv(args.out) if Path(args.out).exists() else pd.DataFrame(columns=["file"])
