@@ -14,7 +14,7 @@
 #   bash scripts/gpu_session.sh step       # q35lab's 9B step at 32k with its breakdown and floor
 #   bash scripts/gpu_session.sh peers      # PEFT + Liger, axolotl's recipe, PEFT at 9B/32k
 #   bash scripts/gpu_session.sh ablation   # PEFT with one optimization at a time, 9B/32k (ablation.csv)
-#   bash scripts/gpu_session.sh big        # q35lab and PEFT + Liger at 27B/16k and 35B-A3B/8k
+#   bash scripts/gpu_session.sh big        # PEFT + Liger at 35B-A3B/32k; q35lab and PEFT + Liger at 8k and 64k
 #   bash scripts/gpu_session.sh packed     # the SFT length mix at 32k: q35lab packed (with and without
 #                                          # the varlen attention), both padded
 #   bash scripts/gpu_session.sh flex       # the packed row under flex attention, q35lab and PEFT + Liger
@@ -58,18 +58,19 @@ case $stage in
       E2E_OUT=ablation.csv e2e 110 $v 32768 --size 9b --steps 1
     done
     ;;
-  big)  # a new size is new autotuning keys for fla: q35lab's 27B run was still in its first step at 220 s (38249b1)
-    e2e 330 q35lab 16384 --size 27b --steps 2
-    e2e 150 peft+liger 16384 --size 27b --steps 2
-    e2e 330 q35lab 8192 --size 35b-a3b --steps 2
-    e2e 150 peft+liger 8192 --size 35b-a3b --steps 2
+  big)  # 32k measured at 358bb36 (27B: q35lab and PEFT + Liger; 35B-A3B: q35lab); fla's tuning for these
+        # sizes is in .triton-autotune since then. PEFT + Liger on the MoE was still compiling at 130 s (c2f958e)
+    e2e 300 peft+liger 32768 --size 35b-a3b --steps 2
+    for size in 27b 35b-a3b; do
+      for v in q35lab peft+liger; do e2e 240 $v "8192 65536" --size $size --steps 2; done
+    done
     ;;
   packed)
-    # varlen (cu_seqlens) is a new fla autotuning key: the first packed run tunes it (~130 s on a
-    # fresh machine, as the first one-sequence step did); PEFT + Liger's packed row is from 347224a
-    e2e 240 q35lab 32768 --size 9b --steps 2 --batch packed
+    # q35lab's packed row ran at c2f958e (3.39 s); the padded rows ran past 90 s there: a step of the mix padded
+    # is 4-5 micro-batches of ~100-130k tokens with padding (3-4x a 32k step's work), so ~15 s a step
+    e2e 150 peft+liger 32768 --size 9b --steps 2 --batch packed
     e2e 120 q35lab-varlen_attention 32768 --size 9b --steps 2 --batch packed  # SDPA's dense mask instead
-    for v in q35lab peft+liger; do e2e 150 $v 32768 --size 9b --steps 2 --batch padded; done
+    for v in q35lab peft+liger; do e2e 240 $v 32768 --size 9b --steps 2 --batch padded; done
     ;;
   flex)
     # SDPA takes the packed row's block-causal mask as a dense [T, T] mask (PEFT + Liger packed ran at
