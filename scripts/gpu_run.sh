@@ -24,13 +24,21 @@ ROOT=$PWD
 STEPS=${STEPS:-tests,tune,bench,notebooks}
 OPS=${OPS:-offset_rms_norm}
 NOTEBOOKS=${NOTEBOOKS:-*.ipynb}
-if [[ ! -d /tmp/site ]]; then  # once per machine: a second run in the same call reuses them
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      $(ls .whl/*.whl .whl-peers/*.whl .whl-notebooks/*.whl 2>/dev/null | grep -v -e fla -e flash_linear) || exit 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_fla \
-      $(ls .whl/*.whl | grep -e fla -e flash_linear) 2>/dev/null
-  [[ -s .whl/triton-3.7.1-slim.tar.xz ]] && mkdir -p /tmp/tri && tar xJf .whl/triton-3.7.1-slim.tar.xz -C /tmp/tri
-fi
+# Each wheel folder once per machine (a later call on a warm machine reuses them), marked as done
+# folder by folder: a call that carries .whl-peers after one that did not still installs it
+for folder in .whl .whl-peers .whl-notebooks; do
+  [[ -d $folder && ! -e /tmp/site/.installed$folder ]] || continue
+  wheels=$(ls $folder/*.whl 2>/dev/null | grep -v -e fla -e flash_linear)
+  if [[ -n $wheels ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels || exit 1
+  fi
+  if [[ $folder == .whl ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_fla \
+        $(ls .whl/*.whl | grep -e fla -e flash_linear) 2>/dev/null
+    [[ -s .whl/triton-3.7.1-slim.tar.xz ]] && mkdir -p /tmp/tri && tar xJf .whl/triton-3.7.1-slim.tar.xz -C /tmp/tri
+  fi
+  mkdir -p /tmp/site && touch /tmp/site/.installed$folder
+done
 TRI=
 [[ -d /tmp/tri/triton ]] && TRI=/tmp/tri:
 export PYTHONPATH=${TRI}$( [[ -n ${NO_FLA:-} ]] || echo /tmp/site_fla:)/tmp/site:$PWD
