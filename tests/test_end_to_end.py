@@ -4,8 +4,10 @@ import collections
 import json
 import math
 
+import subprocess
 import types
 
+import pandas as pd
 import pytest
 import torch
 import triton
@@ -759,3 +761,21 @@ def test_the_floor_times_the_delta_rule_with_the_heads_the_layer_passes_it(patch
     assert call["kwargs"]["use_qk_l2norm_in_kernel"] is True and call["kwargs"]["output_final_state"] is False
     assert (vars(gdn).get("chunk_gated_delta_rule"), module.torch_chunk_gated_delta_rule) == before
     assert delta_rule_alone_ms(model, 24) > 0
+
+
+def test_a_failed_child_replaces_only_its_own_size_rows(tmp_path, monkeypatch):
+    """A variant's process that dies leaves a stand-in error row keyed like the rows it would have
+    written (size, layers): the same variant's rows at other sizes stay."""
+    from q35lab.bench.e2e import cli
+
+    path = tmp_path / "end_to_end.csv"
+    kept = [{"variant": "peft+liger", "T": 32768, "size": size, "layers": layers, "status": "ok", "step_ms": ms}
+            for size, layers, ms in (("9b", 32, 5162.1), ("27b", 64, 15337.0))]
+    pd.DataFrame(kept).to_csv(path, index=False)
+    monkeypatch.setattr(cli.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1))
+    cli.main(["--variants", "peft+liger", "--size", "35b-a3b", "--T", "32768", "--out", str(path)])
+    rows = pd.read_csv(path).set_index("size")
+    assert sorted(rows.index) == ["27b", "35b-a3b", "9b"]
+    assert rows.loc["9b", "step_ms"] == 5162.1 and rows.loc["27b", "step_ms"] == 15337.0
+    failed = rows.loc["35b-a3b"]
+    assert failed.status == "error" and failed.layers == 40 and failed.note == "the process failed"

@@ -41,7 +41,7 @@ from ..core import read_csv, run_info
 from .kernels import breakdown, profile_step
 from .floor import floor_inputs, step_floor
 from .memory import memory_at_peak, out_of_memory_note
-from .model import SIZES, build
+from .model import SIZES, build, config
 from .step import measure, measure_layer
 from .variants import VARIANTS, prepare, report_text
 
@@ -214,11 +214,20 @@ def main(argv=None) -> int:
         if subprocess.run(child).returncode != 0:  # one row per size asked for, so that it replaces theirs
             with open(lines, "a") as f:
                 for T in args.T:
-                    f.write(json.dumps({"variant": variant, "T": T, "status": "error", "note": "the process failed"}) + "\n")
+                    f.write(json.dumps({**_row_key(args), "variant": variant, "T": T, "status": "error",
+                                        "note": "the process failed"}) + "\n")
     _merge_lines(lines, out, last_line_wins=True)
     if breakdown_lines.exists():
         _merge_lines(breakdown_lines, out.with_name("step_breakdown.csv"))
     return 0
+
+
+def _row_key(args) -> dict:
+    """The key columns a failed child's stand-in row shares with the rows it would have written (its
+    model's size and layers, its batch and attention), so that it replaces only those: a row
+    without them matched every row of its variant and T, of any size, and replaced them all."""
+    return {"size": args.size, "layers": config(args.size, args.layers).num_hidden_layers, **({"batch": args.batch} if args.batch else {}),
+            **({"attention": args.attention} if args.attention else {})}
 
 
 def _merge_lines(lines: Path, csv: Path, last_line_wins: bool = False) -> None:
