@@ -165,6 +165,16 @@ def ablation_waterfall(at, baseline: str = "peft", full: str = "q35lab", column:
     return fig
 
 
+#: The columns that tell one recorded step from another in step_breakdown.csv: the e2e harness's
+#: row key (variant, T, size, layers, batch, attention) and the commit that ran.
+STEP_KEY = ("variant", "T", "size", "layers", "batch", "attention", "commit")
+
+
+def _as_text(columns: pandas.DataFrame) -> pandas.DataFrame:
+    """Key columns compared as text, an empty cell as "" (NaN equals nothing, itself included)."""
+    return columns.astype(object).fillna("").astype(str)
+
+
 def step_breakdown_figure(breakdown: pandas.DataFrame):
     """One step's kernels against its floor: for the whole step and for each kind of work, the
     device time its kernels took (ours' colour) beside the floor's term for that work (grey), the
@@ -174,8 +184,8 @@ def step_breakdown_figure(breakdown: pandas.DataFrame):
     columns repeat on every row). The categories meet the floor's terms as the floor counts the
     work: GEMM the GEMM term, attention the attention term, delta rule and conv the core term,
     q35lab kernels, copies/casts and other elementwise the streaming term. Returns the figure."""
-    keys = [c for c in ("variant", "T", "size", "commit") if c in breakdown]
-    if breakdown.empty or len(breakdown.drop_duplicates(keys)) != 1:
+    keys = [c for c in STEP_KEY if c in breakdown]
+    if breakdown.empty or len(_as_text(breakdown[keys]).drop_duplicates()) != 1:
         raise ValueError(f"breakdown: expected the rows of one step (one {'/'.join(keys)}), got {len(breakdown)} rows")
     groups = (("GEMM", ("GEMM",), "floor_gemm_ms"),
               ("attention", ("attention",), "floor_attention_ms"),
@@ -249,9 +259,9 @@ def render(data: Path | None = None, ops=None) -> list[Path]:
 
 def _newest_step_breakdown(df: pandas.DataFrame, out: Path) -> Path:
     """The figure of the step a step_breakdown.csv recorded last (its last row's step)."""
-    keys = [c for c in ("variant", "T", "size", "commit") if c in df]
-    last = df.iloc[-1]
-    step = df[(df[keys].astype(str) == last[keys].astype(str)).all(axis=1)]
+    keys = [c for c in STEP_KEY if c in df]
+    as_text = _as_text(df[keys])
+    step = df[(as_text == as_text.iloc[-1]).all(axis=1)]
     fig = step_breakdown_figure(step)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)

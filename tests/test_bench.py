@@ -336,9 +336,10 @@ def test_plots_draw_the_step_breakdown_of_the_last_recorded_step(tmp_path, monke
         pytest.skip("no step breakdown committed")
     earlier = core.read_csv(committed)
     later = earlier.assign(commit="later", ms=earlier.ms * 2)  # a second step, recorded after the first
+    packed = later.assign(batch="packed", ms=earlier.ms * 3)  # and a packed step of the same commit, before it
     folder = tmp_path / "bench" / "test-gpu"
     folder.mkdir(parents=True)
-    pd.concat([earlier, later]).to_csv(folder / "step_breakdown.csv", index=False)
+    pd.concat([earlier, packed, later]).to_csv(folder / "step_breakdown.csv", index=False)
     drawn = []
     original = plots.step_breakdown_figure
     monkeypatch.setattr(plots, "step_breakdown_figure", lambda rows: drawn.append(rows) or original(rows))
@@ -346,4 +347,6 @@ def test_plots_draw_the_step_breakdown_of_the_last_recorded_step(tmp_path, monke
     assert [p.name for p in written] == ["step_breakdown_test-gpu.png"]
     assert written[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (rows,) = drawn
-    assert set(rows.commit) == {"later"} and len(rows) == len(earlier)
+    assert set(rows.commit) == {"later"} and len(rows) == len(earlier) and rows.batch.isna().all()
+    with pytest.raises(ValueError, match="one step"):  # two steps of one commit are not one figure
+        plots.step_breakdown_figure(pd.concat([later, packed]))
