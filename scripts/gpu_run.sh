@@ -27,7 +27,9 @@ NOTEBOOKS=${NOTEBOOKS:-*.ipynb}
 # Each wheel folder once per machine (a later call on a warm machine reuses them), marked as done
 # folder by folder: a call that carries .whl-peers after one that did not still installs it
 for folder in .whl .whl-peers .whl-notebooks; do
-  [[ -d $folder && ! -e /tmp/site/.installed$folder ]] || continue
+  [[ -d $folder ]] || continue
+  marker=/tmp/site/.installed$folder-$(ls $folder | md5sum | cut -c1-12)  # other wheels in it: installed again
+  [[ -e $marker ]] && continue
   wheels=$(ls $folder/*.whl 2>/dev/null | grep -v -e fla -e flash_linear)
   if [[ -n $wheels ]]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels || exit 1
@@ -37,7 +39,7 @@ for folder in .whl .whl-peers .whl-notebooks; do
         $(ls .whl/*.whl | grep -e fla -e flash_linear) 2>/dev/null
     [[ -s .whl/triton-3.7.1-slim.tar.xz ]] && mkdir -p /tmp/tri && tar xJf .whl/triton-3.7.1-slim.tar.xz -C /tmp/tri
   fi
-  mkdir -p /tmp/site && touch /tmp/site/.installed$folder
+  mkdir -p /tmp/site && touch "$marker"
 done
 TRI=
 [[ -d /tmp/tri/triton ]] && TRI=/tmp/tri:

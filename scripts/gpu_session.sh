@@ -14,9 +14,11 @@
 #   bash scripts/gpu_session.sh step       # q35lab's 9B step at 32k with its breakdown and floor
 #   bash scripts/gpu_session.sh peers      # PEFT + Liger, axolotl's recipe, PEFT at 9B/32k
 #   bash scripts/gpu_session.sh ablation   # PEFT with one optimization at a time, 9B/32k (ablation.csv)
-#   bash scripts/gpu_session.sh big        # PEFT + Liger at 35B-A3B/32k; q35lab and PEFT + Liger at 8k and 64k
-#   bash scripts/gpu_session.sh packed     # the SFT length mix at 32k: q35lab packed (with and without
-#                                          # the varlen attention), both padded
+#   bash scripts/gpu_session.sh big35      # 35B-A3B: PEFT + Liger at 8k, 32k, 64k; q35lab at 8k and 64k
+#   bash scripts/gpu_session.sh big27      # 27B: q35lab and PEFT + Liger at 8k and 64k
+#   bash scripts/gpu_session.sh packed     # the SFT length mix at 32k: PEFT + Liger packed, q35lab packed
+#                                          # without the varlen attention, q35lab padded
+#   bash scripts/gpu_session.sh padded     # PEFT + Liger padded
 #   bash scripts/gpu_session.sh flex       # the packed row under flex attention, q35lab and PEFT + Liger
 #   bash scripts/gpu_session.sh fsdp       # q35lab and PEFT + Liger under FSDP2 on every GPU of the machine
 #                                          # (world size 1 on one H200: the sharded code path, measured)
@@ -33,7 +35,8 @@
 # The device's copy of the tree is current but its git metadata can be stale: on 2026-12-01 its
 # git said 5830af9+dirty for a tree that was 358bb36.
 set -uo pipefail
-[[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|step|peers|ablation|big|packed|flex|long|fsdp|notebooks ..."; exit 2; }
+[[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|step|peers|ablation|big35|big27|packed|padded|flex|long|fsdp|notebooks ..."; exit 2; }
+[[ -n ${Q35LAB_COMMIT:-} ]] || echo "warning: Q35LAB_COMMIT is not set: the rows take the device's git metadata, which can be stale"
 csv=data/bench/nvidia-h200/end_to_end.csv
 e2e() {  # e2e SECONDS VARIANTS T ARGS...
   local limit=$1 variants=$2 T=$3; shift 3
@@ -58,20 +61,20 @@ case $stage in
       E2E_OUT=ablation.csv e2e 110 $v 32768 --size 9b --steps 1
     done
     ;;
-  big)  # 32k measured at 358bb36 (27B: q35lab and PEFT + Liger; 35B-A3B: q35lab); fla's tuning for these
-        # sizes is in .triton-autotune since then. PEFT + Liger on the MoE was still compiling at 130 s (c2f958e)
-    e2e 300 peft+liger 32768 --size 35b-a3b --steps 2
-    for size in 27b 35b-a3b; do
-      for v in q35lab peft+liger; do e2e 240 $v "8192 65536" --size $size --steps 2; done
-    done
+  big35)  # 32k measured at 358bb36: q35lab; PEFT + Liger was still compiling Liger's MoE kernels at 130 s (c2f958e)
+    e2e 330 peft+liger "8192 32768 65536" --size 35b-a3b --steps 2
+    e2e 240 q35lab "8192 65536" --size 35b-a3b --steps 2
     ;;
-  packed)
-    # q35lab's packed row ran at c2f958e (3.39 s); the padded rows ran past 90 s there: a step of the mix padded
-    # is 4-5 micro-batches of ~100-130k tokens with padding (3-4x a 32k step's work), so ~15 s a step
+  big27)  # 32k measured at 358bb36 (both); fla's tuning for these shapes is in .triton-autotune since then
+    for v in q35lab peft+liger; do e2e 240 $v "8192 65536" --size 27b --steps 2; done
+    ;;
+  packed)  # q35lab's packed row ran at c2f958e (3.39 s). A padded step of the mix is 4-5 micro-batches of
+           # ~100-130k tokens with padding (3-4x a 32k step's work), ~15 s: the padded rows ran past 90 s there
     e2e 150 peft+liger 32768 --size 9b --steps 2 --batch packed
     e2e 120 q35lab-varlen_attention 32768 --size 9b --steps 2 --batch packed  # SDPA's dense mask instead
-    for v in q35lab peft+liger; do e2e 240 $v 32768 --size 9b --steps 2 --batch padded; done
+    e2e 240 q35lab 32768 --size 9b --steps 2 --batch padded
     ;;
+  padded) e2e 300 peft+liger 32768 --size 9b --steps 2 --batch padded ;;
   flex)
     # SDPA takes the packed row's block-causal mask as a dense [T, T] mask (PEFT + Liger packed ran at
     # 0.72x its one-sequence throughput); flex attention's block mask skips the blocks between sequences

@@ -74,15 +74,17 @@ def main() -> int:
     from q35lab.bench.core import _git_commit  # Q35LAB_COMMIT where set: the device's git metadata can be stale
 
     meta["commit"] = _git_commit()
-    # a run of some files keeps the other files' rows, each with the commit it ran at
-    names = {f.name for f in files}
-    earlier = pd.read_csv(args.out) if Path(args.out).exists() else pd.DataFrame(columns=["file"])
-    earlier = earlier[~earlier.file.isin(names)]
+    # The other files' rows stay, each with the commit it ran at; a file's old row goes only when its
+    # new one arrives (a call cut short keeps the old rows of the files it did not reach)
+    earlier = (pd.read_csv(args.out, dtype={"commit": str}) if Path(args.out).exists()
+               else pd.DataFrame(columns=["file"]))
     rows = []
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:  # the CSV rewritten as each file ends
         for done in concurrent.futures.as_completed([pool.submit(run_file, f, args.limit, logs) for f in files]):
             rows.append({**done.result(), **meta})
-            pd.concat([earlier, pd.DataFrame(rows)]).sort_values("file").to_csv(args.out, index=False)
+            new = pd.DataFrame(rows)
+            kept = earlier[~earlier.file.isin(new.file)]
+            pd.concat([kept, new]).sort_values("file").to_csv(args.out, index=False)
     table = pd.DataFrame(rows).sort_values("file")
     print(table[["file", "passed", "failed", "errors", "skipped", "seconds", "status"]].to_string(index=False))
     print("total: passed", table.passed.sum(), "failed", table.failed.sum(), "errors", table.errors.sum())
