@@ -708,6 +708,9 @@ def test_breakdown_writes_one_row_per_category_beside_the_floor(tmp_path):
     delta = json.loads(categories.set_index("category").loc["delta rule", "sources"])
     assert json.loads(categories.set_index("category").loc["delta rule", "aten_calls"])  # the ops, with shapes
     assert (categories.step_ms == steps.step_ms[0]).all()  # the timed step of the same process, beside its floor
+    import transformers
+
+    assert set(steps.transformers) == set(categories.transformers) == {transformers.__version__}
     if torch.cuda.is_available():  # the ceilings measured, fla's kernels (or the PyTorch fallback's) named
         assert (categories.floor_total_ms > 0).all() and delta
     else:  # no ceilings on a CPU; the fallback's aten ops stand in for the kernels

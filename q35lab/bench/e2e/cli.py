@@ -119,7 +119,9 @@ def _one_variant(args) -> None:
     # a time limit ends a run with SIGTERM: say where it was (then die as SIGTERM would)
     faulthandler.register(signal.SIGTERM, all_threads=False, chain=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    info = run_info()
+    import transformers
+
+    info = {**run_info(), "transformers": transformers.__version__}  # a step's rows name the transformers that ran
     model = build(args.size, args.layers, args.rank, device=device, attention=args.attention)
     try:
         report, missing = prepare(model, args.variant, tokens=max(_sizes(args))), ""
