@@ -26,7 +26,7 @@ OPS=${OPS:-offset_rms_norm}
 NOTEBOOKS=${NOTEBOOKS:-*.ipynb}
 # Each wheel folder once per machine (a later call on a warm machine reuses them), marked as done
 # folder by folder: a call that carries .whl-peers after one that did not still installs it
-for folder in .whl .whl-peers .whl-notebooks; do
+for folder in .whl .whl-peers .whl-notebooks .whl-tf; do  # .whl-tf last: its transformers replaces the image's
   [[ -d $folder ]] || continue
   marker=/tmp/site/.installed$folder-$(ls $folder | md5sum | cut -c1-12)  # other wheels in it: installed again
   [[ -e $marker ]] && continue
@@ -41,6 +41,9 @@ for folder in .whl .whl-peers .whl-notebooks; do
   fi
   mkdir -p /tmp/site && touch "$marker"
 done
+if [[ ! -d .whl-tf ]] && ls /tmp/site/.installed.whl-tf-* >/dev/null 2>&1; then  # a call without it: the image's again
+  rm -rf /tmp/site/transformers /tmp/site/transformers-*.dist-info /tmp/site/.installed.whl-tf-*
+fi
 TRI=
 [[ -d /tmp/tri/triton ]] && TRI=/tmp/tri:
 export PYTHONPATH=${TRI}$( [[ -n ${NO_FLA:-} ]] || echo /tmp/site_fla:)/tmp/site:$PWD

@@ -19,6 +19,9 @@
 #   bash scripts/gpu_session.sh packed     # the SFT length mix at 32k: PEFT + Liger packed, q35lab packed
 #                                          # without the varlen attention, q35lab padded
 #   bash scripts/gpu_session.sh padded     # PEFT + Liger padded
+#   bash scripts/gpu_session.sh current_tf # q35lab, PEFT + Liger and PEFT at 9B/32k on the current transformers
+#                                          # (carry .whl, .whl-tf and .triton-autotune, not .whl-peers; .whl-tf from
+#                                          # scripts/slim_transformers.py): end_to_end_current_transformers.csv
 #   bash scripts/gpu_session.sh flex       # the packed row under flex attention, q35lab and PEFT + Liger
 #   bash scripts/gpu_session.sh fsdp       # q35lab and PEFT + Liger under FSDP2 on every GPU of the machine
 #                                          # (world size 1 on one H200: the sharded code path, measured)
@@ -35,7 +38,7 @@
 # The device's copy of the tree is current but its git metadata can be stale: on 2026-12-01 its
 # git said 5830af9+dirty for a tree that was 358bb36.
 set -uo pipefail
-[[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|step|peers|ablation|big35|big27|packed|padded|flex|long|fsdp|notebooks ..."; exit 2; }
+[[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|step|peers|ablation|big35|big27|packed|padded|current_tf|flex|long|fsdp|notebooks ..."; exit 2; }
 [[ -n ${Q35LAB_COMMIT:-} ]] || echo "warning: Q35LAB_COMMIT is not set: the rows take the device's git metadata, which can be stale"
 csv=data/bench/nvidia-h200/end_to_end.csv
 e2e() {  # e2e SECONDS VARIANTS T ARGS...
@@ -75,6 +78,12 @@ case $stage in
     e2e 240 q35lab 32768 --size 9b --steps 2 --batch padded
     ;;
   padded) e2e 300 peft+liger 32768 --size 9b --steps 2 --batch padded ;;
+  current_tf)  # the image's transformers 5.17 repeats q and k to 32 heads before fla (the step's largest copy); the
+               # current release hands fla the 16 heads: new fla tuning keys, so the first run gets room to tune
+    [[ -d .whl-tf ]] || { echo "current_tf: carry .whl-tf (scripts/slim_transformers.py)"; exit 2; }
+    E2E_OUT=end_to_end_current_transformers.csv e2e 300 q35lab 32768 --size 9b --steps 2
+    for v in peft+liger peft; do E2E_OUT=end_to_end_current_transformers.csv e2e 150 $v 32768 --size 9b --steps 2; done
+    ;;
   flex)
     # SDPA takes the packed row's block-causal mask as a dense [T, T] mask (PEFT + Liger packed ran at
     # 0.72x its one-sequence throughput); flex attention's block mask skips the blocks between sequences

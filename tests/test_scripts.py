@@ -1,0 +1,52 @@
+"""The device scripts' pure parts, on the CPU: the wheel slimming that makes a carry fit."""
+
+import importlib.util
+import random
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fake_wheel(path: Path, files: list[str]) -> Path:
+    """A zip with ``files`` (each holding its own name) and a RECORD listing them all."""
+    with zipfile.ZipFile(path, "w") as z:
+        for name in files:
+            z.writestr(name, name)
+        z.writestr("transformers-0.0.dist-info/RECORD", "".join(f"{n},sha256=x,1\n" for n in files))
+    return path
+
+
+def test_slim_transformers_keeps_the_named_model_folders_and_everything_outside_the_models(tmp_path):
+    slim = _load("slim_transformers")
+    folders = random.sample(["qwen3_5", "llama", "bert", "gemma", "bloom", "auto", "t5"], 5)
+    keep = set(folders[:2])
+    files = ["transformers/__init__.py", "transformers/utils/import_utils.py", "transformers/models/__init__.py",
+             *[f"transformers/models/{f}/modeling_{f}.py" for f in folders],
+             *[f"transformers/models/{f}/__init__.py" for f in folders]]
+    out = slim.slim(_fake_wheel(tmp_path / "transformers-0.0-py3-none-any.whl", files), tmp_path / "out", keep)
+    with zipfile.ZipFile(out) as z:
+        names = set(z.namelist())
+        record = {line.split(",")[0] for line in z.read("transformers-0.0.dist-info/RECORD").decode().splitlines()}
+        assert all(z.read(n).decode() == n for n in names if not n.endswith("RECORD"))  # contents unchanged
+    expected = {n for n in files if slim._model_folder(n) in (None, *keep)}
+    assert names == expected | {"transformers-0.0.dist-info/RECORD"}
+    assert record == expected  # pip checks that every file RECORD lists exists
+    assert {"transformers/models/__init__.py", "transformers/utils/import_utils.py"} <= names
+
+
+@pytest.mark.parametrize("name, folder", [("transformers/models/qwen3_5/modeling_qwen3_5.py", "qwen3_5"),
+                                          ("transformers/models/__init__.py", None),
+                                          ("transformers/modeling_utils.py", None),
+                                          ("transformers-5.24.0.dist-info/RECORD", None)])
+def test_a_file_belongs_to_the_model_folder_it_sits_in(name, folder):
+    assert _load("slim_transformers")._model_folder(name) == folder
