@@ -12,26 +12,16 @@ the CPU and CUDA 13.x libraries (torch 2.11+cu130 there) leaves about 8 MB.
 
 import re
 import sys
-import zipfile
 from pathlib import Path
+
+from _wheel import repack
 
 KEEP = re.compile(r"libbitsandbytes_(cpu|cuda13\d)\.so$")
 
 
 def slim(wheel: Path, out_dir: Path) -> Path:
     """Copy ``wheel`` to ``out_dir`` without the native libraries KEEP does not match."""
-    out = out_dir / wheel.name
-    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
-        dropped = {n for n in src.namelist() if n.endswith(".so") and not KEEP.search(n)}
-        for item in src.infolist():
-            if item.filename in dropped:
-                continue
-            data = src.read(item)
-            if item.filename.endswith(".dist-info/RECORD"):  # pip checks the listed files exist
-                lines = data.decode().splitlines(keepends=True)
-                data = "".join(line for line in lines if line.split(",")[0] not in dropped).encode()
-            dst.writestr(item, data)
-    return out
+    return repack(wheel, out_dir, lambda name: name.endswith(".so") and not KEEP.search(name))
 
 
 if __name__ == "__main__":

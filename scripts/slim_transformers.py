@@ -23,8 +23,9 @@ import re
 import subprocess
 import sys
 import tempfile
-import zipfile
 from pathlib import Path
+
+from _wheel import repack
 
 #: The model folders kept whatever else is installed: Qwen3.5 (dense and MoE), the auto classes
 #: and what they import (encoder_decoder), and what PEFT 0.21 imports (bloom, mixtral).
@@ -51,19 +52,7 @@ def _model_folder(name: str) -> str | None:
 
 def slim(wheel: Path, out_dir: Path, keep: set[str] = KEEP) -> Path:
     """Copy ``wheel`` into ``out_dir`` without the model folders ``keep`` does not name."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    out = out_dir / wheel.name
-    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
-        dropped = {n for n in src.namelist() if _model_folder(n) not in (None, *keep)}
-        for item in src.infolist():
-            if item.filename in dropped:
-                continue
-            data = src.read(item)
-            if item.filename.endswith(".dist-info/RECORD"):  # pip checks the listed files exist
-                lines = data.decode().splitlines(keepends=True)
-                data = "".join(line for line in lines if line.split(",")[0] not in dropped).encode()
-            dst.writestr(item, data)
-    return out
+    return repack(wheel, out_dir, lambda name: _model_folder(name) not in (None, *keep))
 
 
 #: What a run imports and does with transformers: the harness's tiny Qwen3.5 (dense and MoE),

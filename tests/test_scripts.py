@@ -2,6 +2,7 @@
 
 import importlib.util
 import random
+import sys
 import zipfile
 from pathlib import Path
 
@@ -11,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load(name: str):
+    sys.path.insert(0, str(ROOT / "scripts"))  # as when the script runs: its folder first (for _wheel)
     spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -50,3 +52,14 @@ def test_slim_transformers_keeps_the_named_model_folders_and_everything_outside_
                                           ("transformers-5.24.0.dist-info/RECORD", None)])
 def test_a_file_belongs_to_the_model_folder_it_sits_in(name, folder):
     assert _load("slim_transformers")._model_folder(name) == folder
+
+
+def test_slim_bitsandbytes_keeps_the_cpu_and_cuda_13_libraries_only(tmp_path):
+    slim = _load("slim_bitsandbytes")
+    libraries = [f"bitsandbytes/libbitsandbytes_{v}.so" for v in ("cpu", "cuda130", "cuda131", "cuda128", "rocm62")]
+    files = ["bitsandbytes/__init__.py", *libraries]
+    out = slim.slim(_fake_wheel(tmp_path / "bitsandbytes-0.0-py3-none-any.whl", files), tmp_path / "out")
+    with zipfile.ZipFile(out) as z:
+        kept = {n for n in z.namelist() if n.endswith(".so")}
+        assert "bitsandbytes/__init__.py" in z.namelist()
+    assert kept == {f"bitsandbytes/libbitsandbytes_{v}.so" for v in ("cpu", "cuda130", "cuda131")}
