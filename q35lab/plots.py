@@ -165,9 +165,12 @@ def ablation_waterfall(at, baseline: str = "peft", full: str = "q35lab", column:
     return fig
 
 
-#: The columns that tell one recorded step from another in step_breakdown.csv: the e2e harness's
-#: row key (variant, T, size, layers, batch, attention) and the commit that ran.
-STEP_KEY = ("variant", "T", "size", "layers", "batch", "attention", "commit")
+def _step_key() -> tuple[str, ...]:
+    """The columns that tell one recorded step from another in step_breakdown.csv: the e2e
+    harness's row key (``e2e.cli.KEY``) and the commit that ran."""
+    from .bench.e2e.cli import KEY
+
+    return (*KEY, "commit")
 
 
 def _as_text(columns: pandas.DataFrame) -> pandas.DataFrame:
@@ -184,7 +187,7 @@ def step_breakdown_figure(breakdown: pandas.DataFrame):
     columns repeat on every row). The categories meet the floor's terms as the floor counts the
     work: GEMM the GEMM term, attention the attention term, delta rule and conv the core term,
     q35lab kernels, copies/casts and other elementwise the streaming term. Returns the figure."""
-    keys = [c for c in STEP_KEY if c in breakdown]
+    keys = [c for c in _step_key() if c in breakdown]
     if breakdown.empty or len(_as_text(breakdown[keys]).drop_duplicates()) != 1:
         raise ValueError(f"breakdown: expected the rows of one step (one {'/'.join(keys)}), got {len(breakdown)} rows")
     groups = (("GEMM", ("GEMM",), "floor_gemm_ms"),
@@ -259,7 +262,7 @@ def render(data: Path | None = None, ops=None) -> list[Path]:
 
 def _newest_step_breakdown(df: pandas.DataFrame, out: Path) -> Path:
     """The figure of the step a step_breakdown.csv recorded last (its last row's step)."""
-    keys = [c for c in STEP_KEY if c in df]
+    keys = [c for c in _step_key() if c in df]
     as_text = _as_text(df[keys])
     step = df[(as_text == as_text.iloc[-1]).all(axis=1)]
     fig = step_breakdown_figure(step)

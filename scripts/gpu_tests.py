@@ -11,7 +11,6 @@ status, the slowest tests) and prints the table.
 
 import argparse
 import concurrent.futures
-import datetime
 import re
 import subprocess
 import sys
@@ -66,14 +65,9 @@ def main() -> int:
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
     files = [Path(f) for f in args.files] or sorted(Path("tests").glob("test_*.py"))
-    import torch
-    import triton
+    from q35lab.bench.core import run_info  # the harness's columns; its commit honours Q35LAB_COMMIT
 
-    meta = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
-            "triton": triton.__version__, "date": datetime.date.today().isoformat()}
-    from q35lab.bench.core import _git_commit  # Q35LAB_COMMIT where set: the device's git metadata can be stale
-
-    meta["commit"] = _git_commit()
+    meta = run_info()
     # The other files' rows stay, each with the commit it ran at; a file's old row goes only when its
     # new one arrives (a call cut short keeps the old rows of the files it did not reach)
     earlier = (pd.read_csv(args.out, dtype={"commit": str}) if Path(args.out).exists()
@@ -84,7 +78,7 @@ def main() -> int:
             rows.append({**done.result(), **meta})
             new = pd.DataFrame(rows)
             kept = earlier[~earlier.file.isin(new.file)]
-            pd.concat([kept, new]).sort_values("file").to_csv(args.out, index=False)
+            (pd.concat([kept, new]) if len(kept) else new).sort_values("file").to_csv(args.out, index=False)
     table = pd.DataFrame(rows).sort_values("file")
     print(table[["file", "passed", "failed", "errors", "skipped", "seconds", "status"]].to_string(index=False))
     print("total: passed", table.passed.sum(), "failed", table.failed.sum(), "errors", table.errors.sum())

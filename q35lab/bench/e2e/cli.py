@@ -128,9 +128,8 @@ def _one_variant(args) -> None:
     except ImportError as exc:  # a peer that is not installed is a row that says so
         report, missing = None, f"not installed: {exc.name or exc}"
     for T in _sizes(args):
-        key = {"variant": args.variant + ("+compile" if args.compile else ""), "T": T, "size": args.size,
-               "layers": model.config.get_text_config().num_hidden_layers, "rank": args.rank,
-               **({"batch": args.batch} if args.batch else {}), **({"attention": args.attention} if args.attention else {})}
+        key = {"variant": args.variant + ("+compile" if args.compile else ""), "T": T,
+               **_row_key(args, model.config.get_text_config().num_hidden_layers), "rank": args.rank}
         row = {**key, "status": "skipped" if missing else "ok", "note": missing,
                "report": report_text(report)}
         if not missing:
@@ -224,11 +223,13 @@ def main(argv=None) -> int:
     return 0
 
 
-def _row_key(args) -> dict:
-    """The key columns a failed child's stand-in row shares with the rows it would have written (its
-    model's size and layers, its batch and attention), so that it replaces only those: a row
+def _row_key(args, layers: int | None = None) -> dict:
+    """A row's key columns besides variant and T: its model's size and layers (``layers``, else
+    from the config the child builds), its batch and attention. A failed child's stand-in row
+    carries them too, so that it replaces only the rows the child would have written: a row
     without them matched every row of its variant and T, of any size, and replaced them all."""
-    return {"size": args.size, "layers": config(args.size, args.layers).num_hidden_layers, **({"batch": args.batch} if args.batch else {}),
+    layers = config(args.size, args.layers).num_hidden_layers if layers is None else layers
+    return {"size": args.size, "layers": layers, **({"batch": args.batch} if args.batch else {}),
             **({"attention": args.attention} if args.attention else {})}
 
 
