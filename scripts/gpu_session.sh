@@ -14,6 +14,7 @@
 #   bash scripts/gpu_session.sh step       # q35lab's 9B step at 32k with its breakdown and floor
 #   bash scripts/gpu_session.sh peers      # PEFT + Liger, axolotl's recipe, PEFT at 9B/32k
 #   bash scripts/gpu_session.sh ablation   # PEFT with one optimization at a time, 9B/32k (ablation.csv)
+#   bash scripts/gpu_session.sh sizes9b    # 9B at 8k and 64k: q35lab, PEFT + Liger, axolotl's recipe, PEFT (.whl-peers)
 #   bash scripts/gpu_session.sh big35      # 35B-A3B: PEFT + Liger at 8k, 32k, 64k; q35lab at 8k and 64k
 #   bash scripts/gpu_session.sh big27      # 27B: q35lab and PEFT + Liger at 8k and 64k
 #   bash scripts/gpu_session.sh packed     # the SFT length mix at 32k: PEFT + Liger packed, q35lab packed
@@ -38,7 +39,7 @@
 # The device's copy of the tree is current but its git metadata can be stale: on 2026-12-01 its
 # git said 5830af9+dirty for a tree that was 358bb36.
 set -uo pipefail
-[[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|step|peers|ablation|big35|big27|packed|padded|current_tf|flex|long|fsdp|notebooks ..."; exit 2; }
+[[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|step|peers|ablation|sizes9b|big35|big27|packed|padded|current_tf|flex|long|fsdp|notebooks ..."; exit 2; }
 [[ -n ${Q35LAB_COMMIT:-} ]] || echo "warning: Q35LAB_COMMIT is not set: the rows take the device's git metadata, which can be stale"
 csv=data/bench/nvidia-h200/end_to_end.csv
 e2e() {  # e2e SECONDS VARIANTS T ARGS...
@@ -59,10 +60,14 @@ case $stage in
     ;;
   ablation)  # ablation.csv: PEFT with one optimization at a time, beside PEFT, PEFT + Liger and all of q35lab
             # in the same run; one variant a run, so that a call cut at its limit keeps the rows before
-    for v in peft peft+liger q35lab q35lab:lora q35lab:flce q35lab:in_proj q35lab:gated_norm q35lab:rms_norm \
-             q35lab:swiglu q35lab:conv; do
+    # (the three options a047ce5's ablation did not reach first, the peers next: a call cut short keeps those)
+    for v in q35lab:rms_norm q35lab:swiglu q35lab:conv peft peft+liger q35lab q35lab:lora q35lab:flce \
+             q35lab:in_proj q35lab:gated_norm; do
       E2E_OUT=ablation.csv e2e 110 $v 32768 --size 9b --steps 1
     done
+    ;;
+  sizes9b)  # 9B at 8k and 64k beside the 32k headline (PEFT at 64k: out of memory by its 32k peak)
+    for v in q35lab peft+liger peft+liger+axolotl peft; do e2e 150 $v "8192 65536" --size 9b --steps 2; done
     ;;
   big35)  # 32k measured at 358bb36: q35lab; PEFT + Liger was still compiling Liger's MoE kernels at 130 s (c2f958e)
     e2e 330 peft+liger "8192 32768 65536" --size 35b-a3b --steps 2
