@@ -70,7 +70,7 @@ case $stage in
     for v in q35lab peft+liger peft+liger+axolotl peft; do e2e 150 $v "8192 65536" --size 9b --steps 2; done
     ;;
   big35)  # 32k measured at 358bb36: q35lab; PEFT + Liger was still compiling Liger's MoE kernels at 130 s (c2f958e)
-    e2e 330 peft+liger "8192 32768 65536" --size 35b-a3b --steps 2
+    e2e 330 peft+liger "32768 8192 65536" --size 35b-a3b --steps 2  # the missing 32k first
     e2e 240 q35lab "8192 65536" --size 35b-a3b --steps 2
     ;;
   big27)  # 32k measured at 358bb36 (both); fla's tuning for these shapes is in .triton-autotune since then
