@@ -61,8 +61,9 @@ case $stage in
   ablation)  # ablation.csv: PEFT with one optimization at a time, beside PEFT, PEFT + Liger and all of q35lab
             # in the same run; one variant a run, so that a call cut at its limit keeps the rows before
     # (the three options a047ce5's ablation did not reach first, the peers next: a call cut short keeps those)
-    for v in q35lab:rms_norm q35lab:swiglu q35lab:conv peft peft+liger q35lab q35lab:lora q35lab:flce \
-             q35lab:in_proj q35lab:gated_norm; do
+    # ABLATION="..." runs only those (each option's row still has its call's PEFT row beside it if listed)
+    for v in ${ABLATION:-q35lab:rms_norm q35lab:swiglu q35lab:conv peft peft+liger q35lab q35lab:lora q35lab:flce \
+             q35lab:in_proj q35lab:gated_norm}; do
       E2E_OUT=ablation.csv e2e 110 $v 32768 --size 9b --steps 1
     done
     ;;
@@ -74,7 +75,7 @@ case $stage in
     e2e 240 q35lab "8192 65536" --size 35b-a3b --steps 2
     ;;
   big27)  # 32k measured at 358bb36 (both); fla's tuning for these shapes is in .triton-autotune since then
-    for v in q35lab peft+liger; do e2e 240 $v "8192 65536" --size 27b --steps 2; done
+    for v in ${BIG27:-q35lab peft+liger}; do e2e 240 $v "8192 65536" --size 27b --steps 2; done
     ;;
   packed)  # q35lab's packed row ran at c2f958e (3.39 s). A padded step of the mix is 4-5 micro-batches of
            # ~100-130k tokens with padding (3-4x a 32k step's work), ~15 s: the padded rows ran past 90 s there
