@@ -292,10 +292,12 @@ def _projection_now(module: torch.nn.Module) -> Projection | None:
 
 class _ProjectionGroup:
     """Projections of one shared input (a GatedDeltaNet's four in_proj, an MLP's gate and up),
-    computed together by ``fused_lora_projections``."""
+    computed together by ``fused_lora_projections``; ``own_buffer``: the indices of those whose
+    output gets a contiguous buffer of its own (see there)."""
 
-    def __init__(self, modules: list[torch.nn.Module]):
+    def __init__(self, modules: list[torch.nn.Module], own_buffer: tuple[int, ...] = ()):
         self.modules = modules
+        self.own_buffer = own_buffer
         # The four frozen base weights moved into one buffer, so that the fused GEMM's
         # concatenated weight is a view of it rather than a second copy of the weights.
         self.packed = pack_rows([_base_layer(m).weight for m in modules])
@@ -310,10 +312,11 @@ class _ProjectionGroup:
 
     def __getstate__(self) -> dict:
         # A copy (deepcopy, pickle) keeps the modules, not the outputs or weights of this step.
-        return {"modules": self.modules, "packed": self.packed}
+        return {"modules": self.modules, "packed": self.packed, "own_buffer": self.own_buffer}
 
     def __setstate__(self, state: dict) -> None:
         self.modules = state["modules"]
+        self.own_buffer = state.get("own_buffer", ())
         # deepcopy and pickle give each weight a buffer of its own: packed again at the first call
         self.packed = None if state["packed"] else False
         self._reset()
@@ -341,7 +344,7 @@ class _ProjectionGroup:
         projections = [_projection_now(m) for m in self.modules]
         if any(p is None for p in projections):
             return None
-        return fused_lora_projections(x, projections, cache=self.cache)
+        return fused_lora_projections(x, projections, cache=self.cache, own_buffer=self.own_buffer)
 
 
 def _pack_again(weights: list[torch.Tensor]) -> bool:
@@ -364,8 +367,17 @@ class _InProjForward(_Forward):
         return self.group.output(self.index, x, args, kwargs)
 
 
+# The group's order: z last and in a buffer of its own. The GatedDeltaNet reshapes z to
+# [T·heads, head_dim] for its norm, which copies a column block of a shared buffer (256 MiB at
+# 32k tokens, kept for the norm's backward beside the shared buffer's own z columns); qkv, b and
+# a are read where they lie (the convolution and elementwise ops take strides), so they share
+# one buffer and one GEMM.
+IN_PROJ_GROUP = ("in_proj_qkv", "in_proj_b", "in_proj_a", "in_proj_z")
+IN_PROJ_OWN_BUFFER = (IN_PROJ_GROUP.index("in_proj_z"),)
+
+
 def _fuse_in_proj(gdn: torch.nn.Module, report: "PatchReport") -> None:
-    modules = [getattr(gdn, name) for name in IN_PROJ_NAMES]
+    modules = [getattr(gdn, name) for name in IN_PROJ_GROUP]
     if any(_marked(m, _IN_PROJ) is not None for m in modules):
         report.already_patched += 1
         return
@@ -373,7 +385,7 @@ def _fuse_in_proj(gdn: torch.nn.Module, report: "PatchReport") -> None:
     if problems:
         report.left_alone[f"{type(gdn).__name__} in_proj: {problems[0]}"] += 1
         return
-    group = _ProjectionGroup(modules)
+    group = _ProjectionGroup(modules, own_buffer=IN_PROJ_OWN_BUFFER)
     for index, module in enumerate(modules):
         if _marked(module, _LORA_PATCHED) is not None:  # routed by lora=True earlier: the group takes over
             _unroute_lora(module, PatchReport())

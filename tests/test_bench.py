@@ -350,3 +350,16 @@ def test_plots_draw_the_step_breakdown_of_the_last_recorded_step(tmp_path, monke
     assert set(rows.commit) == {"later"} and len(rows) == len(earlier) and rows.batch.isna().all()
     with pytest.raises(ValueError, match="one step"):  # two steps of one commit are not one figure
         plots.step_breakdown_figure(pd.concat([later, packed]))
+
+
+def test_in_proj_benchmark_measures_the_patch_arrangement_with_the_same_outputs():
+    """"q35lab (z own buffer)" (the patch's order and buffers) computes what "q35lab" does, its z
+    in a buffer of its own, its outputs handed back in the order the other implementations use."""
+    pytest.importorskip("peft")
+    spec = bench.discover()["in_proj"]
+    data = spec.make_inputs(6, torch.device("cpu"))
+    one_buffer = spec.impls["q35lab"][0](data)[0]()
+    own_z = spec.impls["q35lab (z own buffer)"][0](data)[0]()
+    for a, b in zip(one_buffer, own_z):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert own_z[1].is_contiguous() and not one_buffer[1].is_contiguous()  # z: OUT_FEATURES' second

@@ -285,6 +285,46 @@ def test_each_output_can_be_edited_in_place_like_a_linear_output(lead, dtype, wi
     _assert_every_result_by_rule(edited, x, ps)
 
 
+@pytest.mark.parametrize("own_buffer", [(1,), (0,), (3,), (0, 1, 2, 3), (1, 2)])
+@pytest.mark.parametrize("lead,dtype", [((2, 37), torch.float32), ((1,), torch.float32), ((3, 43), torch.bfloat16)])
+@pytest.mark.parametrize("with_adapter,bias", [((True,) * 4, False), ((True, False, False, True), True)])
+def test_an_output_in_a_buffer_of_its_own_is_contiguous_and_computes_the_same(own_buffer, lead, dtype, with_adapter, bias):
+    ps = _projections(with_adapter, dtype=dtype, bias=bias)
+    x = torch.randn(*lead, K, device=device()).to(dtype).requires_grad_()
+    outs = fused_lora_projections(x, ps, own_buffer=own_buffer)
+    for i, out in enumerate(outs):
+        if i in own_buffer:  # a reshape across its rows is a view (the GatedDeltaNet's z: no copy)
+            assert out.is_contiguous() and out.reshape(-1, 8).data_ptr() == out.data_ptr()
+            assert all(o.untyped_storage().data_ptr() != out.untyped_storage().data_ptr()
+                       for j, o in enumerate(outs) if j != i)
+    shared = [i for i in range(len(ps)) if i not in own_buffer]
+    runs = sum(1 for i in shared if i - 1 not in shared)  # neighbours share one buffer
+    assert len(_storages(outs)) == len(own_buffer) + runs
+
+    def edited(fn, x, ps):  # in-place edits of every output, as of separate Linear outputs
+        kwargs = {"own_buffer": own_buffer} if fn is fused_lora_projections else {}
+        qkv, z, b, a = fn(x, ps, **kwargs)
+        z_scaled = z * z.new_full(z.shape[-1:], 1.5, requires_grad=True)
+        qkv.mul_(2.0)
+        b[..., :3].sub_(1.0).mul_(-0.5)
+        a.add_(z[..., :8])
+        return qkv, z_scaled, b, a
+
+    _assert_every_result_by_rule(edited, x, ps)
+
+
+@pytest.mark.parametrize("own_buffer,error,message", [
+    ((4,), ValueError, r"own_buffer: expected indices of the 4 projections \(0 to 3\), got 4"),
+    ((-1,), ValueError, r"own_buffer: expected indices .* got -1"),
+    ((True,), ValueError, r"own_buffer: expected indices .* got True"),
+    ((1.0,), ValueError, r"own_buffer: expected indices .* got 1.0"),
+    (1, TypeError, r"own_buffer: expected projection indices \(ints\), got int"),
+])
+def test_a_bad_own_buffer_raises_naming_it(own_buffer, error, message):
+    with pytest.raises(error, match=message):
+        fused_lora_projections(torch.randn(3, K, device=device()), _projections(), own_buffer=own_buffer)
+
+
 @pytest.mark.parametrize("lead,width", [((0,), K), ((3, 0), K), ((5,), 0)])  # no tokens (flat, batched); no features
 @pytest.mark.parametrize("bias", [False, True])
 def test_no_tokens_or_no_features_forward_and_backward(lead, width, bias):
@@ -315,7 +355,7 @@ def test_torch_compile_breaks_the_graph_at_the_op_and_matches_eager():
     torch.testing.assert_close(loss, expected)
     for ours, theirs in zip(grads, torch.autograd.grad(expected, leaves)):
         torch.testing.assert_close(ours, theirs)
-    assert list(inspect.signature(fused_lora_projections).parameters) == ["x", "projections", "cache"]
+    assert list(inspect.signature(fused_lora_projections).parameters) == ["x", "projections", "cache", "own_buffer"]
     assert fused_lora_projections.__doc__.startswith("All ``projections`` of ``x``")
     assert q35lab.fused_lora_projections is fused_lora_projections
 
@@ -373,6 +413,29 @@ def test_disabled_adapters_and_gradient_checkpointing():
     torch.testing.assert_close(loss_ckpt, loss_peft, rtol=1e-5, atol=1e-6)
     for name in grads_peft:
         torch.testing.assert_close(grads_ckpt[name], grads_peft[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_the_patched_gated_delta_net_gets_z_in_a_buffer_of_its_own():
+    """z is reshaped to [T·heads, head_dim] for the gated norm: contiguous, that is a view, not a
+    copy; qkv, b and a stay column blocks of one buffer (read where they lie)."""
+    from tiny_models import causal_lm
+
+    for model in (causal_lm().requires_grad_(False), _peft_tiny("all-linear")):  # frozen bases: fused
+        report = q35lab.apply_to_qwen3_5(model, flce=False)
+        assert report.replaced["Qwen3_5GatedDeltaNet in_proj (4 projections, 1 node)"] == 1
+        gdn = next(m for m in model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet")
+        seen = {}
+        hooks = [getattr(gdn, name).register_forward_hook(lambda m, args, out, name=name: seen.__setitem__(name, out))
+                 for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")]
+        ids = torch.randint(0, 128, (2, 9), device=device())
+        logits = model(input_ids=ids).logits
+        if logits.requires_grad:  # the PEFT model's adapters: the backward runs too
+            logits.float().square().mean().backward()
+        for hook in hooks:
+            hook.remove()
+        z, qkv, b, a = seen["in_proj_z"], seen["in_proj_qkv"], seen["in_proj_b"], seen["in_proj_a"]
+        assert z.is_contiguous() and not qkv.is_contiguous()
+        assert len(_storages([qkv, b, a])) == 1 and len(_storages([qkv, z])) == 2
 
 
 def test_the_patch_packs_the_four_base_weights_and_revert_separates_them(tmp_path):

@@ -6,7 +6,10 @@ transformers' default Qwen3.5 dims: hidden 4096 → in_proj_qkv 8192, in_proj_z 
 * ``4 bases (frozen)``: the four frozen projections alone, called one after another — the floor;
 * ``peft`` / ``peft (bf16 adapters)``: four PEFT LoRA layers, defaults / bf16 adapters;
 * ``axolotl``: axolotl's fused ``apply_lora_gdn_in_proj`` over the PEFT layers (needs bitsandbytes);
-* ``q35lab``: ``fused_lora_projections`` over the same PEFT parameters (what the patch runs).
+* ``q35lab``: ``fused_lora_projections`` over the same PEFT parameters, the four outputs column
+  blocks of one buffer (one base GEMM);
+* ``q35lab (z own buffer)``: the patch's arrangement: z last and in a buffer of its own, so that
+  the GatedDeltaNet's ``z.reshape(-1, head_dim)`` is a view, not a copy (two base GEMMs).
 
 Variants: with and without bf16 autocast. GEMM-bound: reported as time.
 """
@@ -71,12 +74,18 @@ def _setup(kind: str):
     def make(data: dict, autocast: bool = False):
         x = data["x"].detach().requires_grad_()
         inner, params = _build(data, adapters=(kind != "base"), adapter_fp32=(kind != "peft_bf16"))
-        if kind == "q35lab":
-            layers = [getattr(inner, name) for name in OUT_FEATURES]
+        if kind in ("q35lab", "q35lab_own_z"):
+            from ..patch import IN_PROJ_GROUP, IN_PROJ_OWN_BUFFER
+
+            order, own = (IN_PROJ_GROUP, IN_PROJ_OWN_BUFFER) if kind == "q35lab_own_z" else (tuple(OUT_FEATURES), ())
+            layers = [getattr(inner, name) for name in order]
             projections = [Projection(l.base_layer.weight, None, l.lora_A["default"].weight, l.lora_B["default"].weight,
                                       l.scaling["default"]) for l in layers]
             cache = ConcatCache()
-            run = lambda t: fused_lora_projections(t, projections, cache=cache)  # noqa: E731
+
+            def run(t):  # the outputs in OUT_FEATURES' order, as the other implementations give them
+                outputs = dict(zip(order, fused_lora_projections(t, projections, cache=cache, own_buffer=own)))
+                return tuple(outputs[name] for name in OUT_FEATURES)
         elif kind == "axolotl":
             from axolotl.kernels.lora import apply_lora_gdn_in_proj
 
@@ -130,6 +139,7 @@ BENCH = OpBench(
         "peft (bf16 adapters)": (_setup("peft_bf16"), ("peft",)),
         "axolotl": (_setup("axolotl"), ("peft", "axolotl", "bitsandbytes")),
         "q35lab": (_setup("q35lab"), ("peft",)),
+        "q35lab (z own buffer)": (_setup("q35lab_own_z"), ("peft",)),
     },
     check=check,
     ours="q35lab",

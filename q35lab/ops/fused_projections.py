@@ -29,7 +29,12 @@ they are gathered anew each step (FSDP2's) are concatenated at each call instead
 only until backward has used it (``ConcatCache(keep_copies=False)``, as the patch asks).
 
 The outputs are column blocks of the one ``[T, ΣN]`` buffer ``y``, handed out as tensors of their
-own over its memory (``set_``), not as views: autograd forbids in-place edits of views made inside
+own over its memory (``set_``), not as views. A block is strided (its rows lie ``ΣN`` apart), which
+costs GEMMs, elementwise ops and stride-aware kernels nothing, but a ``reshape`` across its rows
+copies it: the GatedDeltaNet reshapes ``z`` to ``[T·heads, head_dim]`` for its norm. A projection
+named in ``own_buffer`` therefore gets a contiguous buffer of its own, and the base GEMM is split
+at its columns (``y = [y_1 | y_2]``: one GEMM per buffer, each over a row block of ``W``). The blocks
+are not views: autograd forbids in-place edits of views made inside
 a Function, and separate ``nn.Linear`` outputs allow them. That is sound because the blocks are
 disjoint and the backward never reads ``y``: an in-place edit of ``y_i`` changes no other output,
 and autograd hands the Function the edited ``y_i``'s gradient as usual. Each output keeps its own
@@ -159,8 +164,9 @@ def fused_lora_projections_ref(x: torch.Tensor, projections: list[Projection], s
 class FusedLoRAProjectionsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight_cat, bias_cat, meta, *adapters):
-        """meta: (out_features per projection, [(index, scaling, dropout, seed)] per adapter)."""
-        out_features, lora_meta = meta
+        """meta: (out_features per projection, [(index, scaling, dropout, seed)] per adapter,
+        [(first, stop)] projection ranges that share one output buffer)."""
+        out_features, lora_meta, buffers = meta
         dtype = x.dtype
         x2d = x.reshape(_rows(x), x.shape[-1])
         offsets = [0]
@@ -174,25 +180,27 @@ class FusedLoRAProjectionsFunction(torch.autograd.Function):
             else:
                 xa = torch.cat([_dropped(x2d, dropout, seed) @ a.to(dtype).t()
                                 for a, (_, _, dropout, seed) in zip(A_list, lora_meta)], dim=1)
-            # Every adapter's s·xa_i·B_iᵀ in one GEMM against a block-diagonal [N, Σr] matrix,
-            # written first; the base GEMM then accumulates onto it (β = 1, read in its
-            # compute-bound epilogue) instead of a memory-bound y[:, slice] += … per adapter.
+            # every adapter's s·xa_i·B_iᵀ against one block-diagonal [ΣN, Σr] matrix (_projected)
             b_block = _block_diagonal_b(lora_meta, B_list, offsets, dtype, x2d.device)
-            y = xa @ b_block.t() if bias_cat is None else torch.addmm(bias_cat, xa, b_block.t())
-            y.addmm_(x2d, weight_cat.t())
         else:
-            xa = x2d.new_empty(0)
-            y = x2d @ weight_cat.t() if bias_cat is None else torch.addmm(bias_cat, x2d, weight_cat.t())
-        ctx.save_for_backward(x2d, weight_cat, xa, *adapters)
+            xa = b_block = None
+        outputs = []
+        for first, stop in buffers:  # one GEMM per output buffer, over its row block of W
+            start, end = offsets[first], offsets[stop]
+            bias = None if bias_cat is None else bias_cat[start:end]
+            y = _projected(x2d, weight_cat[start:end], bias, xa, None if b_block is None else b_block[start:end])
+            outputs += [_column_block(y, offsets[i] - start, offsets[i + 1] - start, x.shape[:-1])
+                        for i in range(first, stop)]
+        ctx.save_for_backward(x2d, weight_cat, x2d.new_empty(0) if xa is None else xa, *adapters)
         ctx.meta, ctx.offsets, ctx.x_shape = meta, offsets, x.shape
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: no GEMM on zeros
-        return tuple(_column_block(y, offsets[i], offsets[i + 1], x.shape[:-1]) for i in range(len(out_features)))
+        return tuple(outputs)
 
     @staticmethod
     @first_order_only
     def backward(ctx, *grads):
         x2d, weight_cat, xa, *adapters = ctx.saved_tensors
-        out_features, lora_meta = ctx.meta
+        out_features, lora_meta, _ = ctx.meta
         offsets, dtype = ctx.offsets, x2d.dtype
         T = x2d.shape[0]
         # Each output's gradient is used as autograd hands it over: gathering them into one
@@ -257,6 +265,31 @@ def _input_gradient(x2d, dys, weights, lora_meta, A_list, dxa_list) -> torch.Ten
     return x2d.new_zeros(x2d.shape) if dx is None else dx
 
 
+def _projected(x2d, weight, bias, xa, b_block) -> torch.Tensor:
+    """``x·Wᵀ (+ bias) + xa·B̂ᵀ`` for one output buffer: the adapters' thin GEMM (against the
+    block-diagonal ``B̂``) written first, the base GEMM accumulating onto it (β = 1, read in its
+    compute-bound epilogue) instead of a memory-bound ``y[:, slice] += …`` per adapter."""
+    if b_block is None:
+        return x2d @ weight.t() if bias is None else torch.addmm(bias, x2d, weight.t())
+    y = xa @ b_block.t() if bias is None else torch.addmm(bias, xa, b_block.t())
+    return y.addmm_(x2d, weight.t())
+
+
+def _output_buffers(count: int, own_buffer) -> tuple[tuple[int, int], ...]:
+    """Ranges ``(first, stop)`` of projections whose outputs share one buffer: each projection in
+    ``own_buffer`` alone, the others in runs of neighbours."""
+    ranges, first = [], 0
+    for i in range(count):
+        if i in own_buffer:
+            if first < i:
+                ranges.append((first, i))
+            ranges.append((i, i + 1))
+            first = i + 1
+    if first < count:
+        ranges.append((first, count))
+    return tuple(ranges)
+
+
 def _block_diagonal_b(lora_meta, B_list, offsets, dtype, device) -> torch.Tensor:
     """``[N, Σr]``: adapter i's ``s_i·B_i`` in its projection's rows and its own rank columns."""
     ranks = [b.shape[1] for b in B_list]
@@ -273,6 +306,17 @@ def _column_block(y: torch.Tensor, start: int, stop: int, lead: torch.Size) -> t
     same memory (no copy) that is not a view to autograd, so the caller may edit it in place."""
     block = y[:, start:stop].view(*lead, stop - start)
     return y.new_empty(0).set_(y.untyped_storage(), block.storage_offset(), block.shape, block.stride())
+
+
+def _check_own_buffer(own_buffer: object, count: int) -> frozenset[int]:
+    try:
+        indices = list(own_buffer)
+    except TypeError:
+        raise TypeError(f"own_buffer: expected projection indices (ints), got {type(own_buffer).__name__}") from None
+    for i in indices:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < count:
+            raise ValueError(f"own_buffer: expected indices of the {count} projections (0 to {count - 1}), got {i!r}")
+    return frozenset(indices)
 
 
 def _check_tensor_field(name: str, value: object, shape: tuple[int, ...]) -> None:
@@ -309,7 +353,8 @@ def _check_projection(i: int, p: object, K: int) -> None:
 
 
 @opaque_to_compile  # a graph break under torch.compile (see _compile.py)
-def fused_lora_projections(x: torch.Tensor, projections, *, cache: ConcatCache | None = None) -> tuple[torch.Tensor, ...]:
+def fused_lora_projections(x: torch.Tensor, projections, *, cache: ConcatCache | None = None,
+                           own_buffer=()) -> tuple[torch.Tensor, ...]:
     """All ``projections`` of ``x`` as one autograd node; returns one output per projection.
 
     Args:
@@ -319,10 +364,12 @@ def fused_lora_projections(x: torch.Tensor, projections, *, cache: ConcatCache |
             ``[N, K]``, bias ``[N]``, lora_A ``[r, K]``, lora_B ``[N, r]``, finite real scaling,
             dropout in [0, 1), no bools), and errors name ``projections[i].<field>``.
         cache: keeps the concatenated base weights between calls (built anew without one).
+        own_buffer: indices of projections whose output gets a contiguous buffer of its own (the
+            base GEMM is split at its columns), for a consumer that reshapes it across rows.
 
-    The outputs share one ``[T, ΣN]`` buffer (column blocks, strided, no copies) but are not
-    views: each may be edited in place, with correct gradients, like a separate ``nn.Linear``'s
-    output.
+    The other outputs share one ``[T, ΣN]`` buffer per run of neighbours (column blocks, strided,
+    no copies). None is a view: each may be edited in place, with correct gradients, like a
+    separate ``nn.Linear``'s output.
     Any size may be zero (no tokens, no features, rank 0).
     Opaque to ``torch.compile``: a graph break; the op runs eagerly with its own autograd node.
     """
@@ -335,6 +382,7 @@ def fused_lora_projections(x: torch.Tensor, projections, *, cache: ConcatCache |
     K = x.shape[-1]
     for i, p in enumerate(projections):
         _check_projection(i, p, K)
+    own_buffer = _check_own_buffer(own_buffer, len(projections))
     check_same_device(x=x, **{f"projections[{i}].{field}": t for i, p in enumerate(projections)
                               for field in ("weight", "bias", "lora_A", "lora_B")
                               if (t := getattr(p, field)) is not None})
@@ -347,6 +395,7 @@ def fused_lora_projections(x: torch.Tensor, projections, *, cache: ConcatCache |
             lora_meta.append((i, float(p.scaling), dropout, seed))
     dtype = _compute_dtype(x)
     weight_cat, bias_cat = (cache or ConcatCache()).get(projections, dtype)
-    meta = (tuple(p.weight.shape[0] for p in projections), tuple(lora_meta))
+    meta = (tuple(p.weight.shape[0] for p in projections), tuple(lora_meta),
+            _output_buffers(len(projections), own_buffer))
     with torch.autocast(device_type=x.device.type, enabled=False):
         return FusedLoRAProjectionsFunction.apply(x.to(dtype), weight_cat, bias_cat, meta, *adapters)
