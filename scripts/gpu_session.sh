@@ -15,6 +15,7 @@
 #   bash scripts/gpu_session.sh peers      # PEFT + Liger, axolotl's recipe, PEFT at 9B/32k
 #   bash scripts/gpu_session.sh ablation   # PEFT with one optimization at a time, 9B/32k (ablation.csv)
 #   bash scripts/gpu_session.sh sizes9b    # 9B at 8k and 64k: q35lab, PEFT + Liger, axolotl's recipe, PEFT (.whl-peers)
+#   bash scripts/gpu_session.sh floors     # 27B and 35B-A3B at 32k: q35lab with its breakdown and floor, PEFT + Liger
 #   bash scripts/gpu_session.sh big35      # 35B-A3B: PEFT + Liger at 8k, 32k, 64k; q35lab at 8k and 64k
 #   bash scripts/gpu_session.sh big27      # 27B: q35lab and PEFT + Liger at 8k and 64k
 #   bash scripts/gpu_session.sh packed     # the SFT length mix at 32k: PEFT + Liger packed, q35lab packed
@@ -39,7 +40,7 @@
 # The device's copy of the tree is current but its git metadata can be stale: on 2026-12-01 its
 # git said 5830af9+dirty for a tree that was 358bb36.
 set -uo pipefail
-[[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|step|peers|ablation|sizes9b|big35|big27|packed|padded|current_tf|flex|long|fsdp|notebooks ..."; exit 2; }
+[[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|step|peers|ablation|sizes9b|floors|big35|big27|packed|padded|current_tf|flex|long|fsdp|notebooks ..."; exit 2; }
 [[ -n ${Q35LAB_COMMIT:-} ]] || echo "warning: Q35LAB_COMMIT is not set: the rows take the device's git metadata, which can be stale"
 csv=data/bench/nvidia-h200/end_to_end.csv
 e2e() {  # e2e SECONDS VARIANTS T ARGS...
@@ -69,6 +70,13 @@ case $stage in
     ;;
   sizes9b)  # 9B at 8k and 64k beside the 32k headline (PEFT at 64k: out of memory by its 32k peak)
     for v in q35lab peft+liger peft+liger+axolotl peft; do e2e 150 $v "8192 65536" --size 9b --steps 2; done
+    ;;
+  floors)  # the 27B's and the 35B-A3B's step at 32k with their profile and floor (9B's: the step stage), each beside
+           # PEFT + Liger in the same call
+    for size in 27b 35b-a3b; do
+      e2e 300 q35lab 32768 --size $size --steps 2 --breakdown
+      e2e 300 peft+liger 32768 --size $size --steps 2
+    done
     ;;
   big35)  # 32k measured at 358bb36: q35lab; PEFT + Liger was still compiling Liger's MoE kernels at 130 s (c2f958e)
     e2e 330 peft+liger "32768 8192 65536" --size 35b-a3b --steps 2  # the missing 32k first
