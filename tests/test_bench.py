@@ -246,7 +246,8 @@ def test_linear_cross_entropy_check_has_real_bounds(dtype):
         assert 0 < r["bound"] < 1e-2 and r["kernel_err"] <= r["bound"] and r["ok"] is True
     for r in rows:  # the peers (on a GPU, where their kernels run) are measured by the same rule: reported, not judged
         assert math.isfinite(r["rel_err"]) and math.isfinite(r["kernel_err"]) and r["reference"] == "fp64"
-    assert {r["impl"] for r in rows} == {"q35lab"} or runtime.device().type == "cuda"
+    assert {r["impl"] for r in rows} == {"q35lab", "pytorch-chunked"} or runtime.device().type == "cuda"
+    assert all(r["ok"] for r in rows if r["impl"] == "pytorch-chunked")  # transformers' own math, chunked
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -363,3 +364,21 @@ def test_in_proj_benchmark_measures_the_patch_arrangement_with_the_same_outputs(
     for a, b in zip(one_buffer, own_z):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     assert own_z[1].is_contiguous() and not one_buffer[1].is_contiguous()  # z: OUT_FEATURES' second
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 3, 7, 64])  # one row; not dividing T; T itself; more than T
+def test_the_pytorch_chunked_baseline_is_the_materialising_loss(chunk_rows):
+    """Loss, dx and dW of the chunked, checkpointed PyTorch loss against transformers' path, with
+    ignored targets, fp32 (nothing but the summation order differs)."""
+    from q35lab.bench import linear_cross_entropy as lce
+    from q35lab.ops.linear_cross_entropy import linear_cross_entropy_ref
+
+    x = torch.randn(7, 32, dtype=torch.float32, requires_grad=True)
+    w = (torch.randn(301, 32) / 32**0.5).requires_grad_()
+    target = torch.randint(0, 301, (7,))
+    target[[1, 4]] = -100
+    ours = lce.torch_chunked_cross_entropy(x, w, target, chunk_rows=chunk_rows)
+    ref = linear_cross_entropy_ref(x, w, target)
+    torch.testing.assert_close(ours, ref.float(), rtol=1e-6, atol=1e-6)
+    for a, b in zip(torch.autograd.grad(ours, [x, w]), torch.autograd.grad(ref, [x, w])):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

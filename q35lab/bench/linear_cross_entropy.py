@@ -7,6 +7,8 @@ Implementations (each skipped, and said so, where not installed):
 * ``liger``: ``LigerFusedLinearCrossEntropyLoss``;
 * ``cut-cross-entropy``: ``cut_cross_entropy.linear_cross_entropy`` with its defaults;
 * ``torch``: ``torch.nn.functional.linear_cross_entropy`` where the installed torch has it;
+* ``pytorch, chunked``: ``torch_chunked_cross_entropy`` below — chunking and nothing else, in
+  plain PyTorch (what chunking buys without a kernel);
 * ``q35lab``: ``q35lab.linear_cross_entropy``; and, for a trainable head, the same with
   ``weight_grad="recompute"`` (dW block by block of the vocabulary).
 
@@ -39,6 +41,31 @@ def make_inputs(T: int, device, dtype=torch.bfloat16, vocab: int = VOCAB) -> dic
     }
 
 
+#: Rows a chunk of the PyTorch baseline: 1024 × 248,320 logits are 0.5 GB in bf16, 1 GB per fp32 copy.
+TORCH_CHUNK_ROWS = 1024
+
+
+def _chunk_loss_sum(x: torch.Tensor, W: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """transformers' path on one chunk: bf16 logits, upcast, cross entropy summed over its rows."""
+    logits = torch.nn.functional.linear(x, W).float()
+    return torch.nn.functional.cross_entropy(logits, target, ignore_index=-100, reduction="sum")
+
+
+def torch_chunked_cross_entropy(x: torch.Tensor, W: torch.Tensor, target: torch.Tensor,
+                                chunk_rows: int = TORCH_CHUNK_ROWS) -> torch.Tensor:
+    """``mean_i (lse(x_i·Wᵀ) − x_i·w_{t_i})`` over the rows whose target is not -100, a chunk of
+    rows at a time, each chunk's loss under ``torch.utils.checkpoint``: no chunk's logits outlive
+    its forward, and the backward makes them again (one more logits matmul than the fused losses,
+    and the fp32 upcasts of transformers' path, chunk by chunk)."""
+    from torch.utils.checkpoint import checkpoint
+
+    total = torch.zeros((), dtype=torch.float32, device=x.device)
+    for start in range(0, x.shape[0], chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        total = total + checkpoint(_chunk_loss_sum, x[rows], W, target[rows], use_reentrant=False)
+    return total / (target != -100).sum()
+
+
 def _loss_fn(kind: str):
     if kind == "transformers":
         return lambda x, w, t: linear_cross_entropy_ref(x, w, t)
@@ -48,6 +75,8 @@ def _loss_fn(kind: str):
         return lambda x, w, t: linear_cross_entropy(x, w, t, weight_grad="recompute")
     if kind == "torch":
         return lambda x, w, t: torch.nn.functional.linear_cross_entropy(x, w, t)
+    if kind == "pytorch-chunked":
+        return torch_chunked_cross_entropy
     if kind == "liger":
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
@@ -128,7 +157,7 @@ def check(T: int, device, dtype=torch.bfloat16) -> list[dict]:
     # the peers' kernels are GPU-only, and cut-cross-entropy's backward takes 16-bit inputs only
     peers = ["liger", "cut-cross-entropy", "torch"] if dtype != torch.float32 else ["liger", "torch"]
     rows = []
-    for kind in ["q35lab"] + (peers if device.type == "cuda" else []):
+    for kind in ["q35lab", "pytorch-chunked"] + (peers if device.type == "cuda" else []):
         if not _available(kind):
             continue
         x = data["x"].detach().requires_grad_()
@@ -160,6 +189,7 @@ BENCH = OpBench(
         "cut-cross-entropy": (_setup("cut-cross-entropy"), ("cut_cross_entropy",)),
         # torch's own, where the installed version has it (PyTorch ≥ 2.13)
         **({"torch": (_setup("torch"), ())} if hasattr(torch.nn.functional, "linear_cross_entropy") else {}),
+        "pytorch, chunked": (_setup("pytorch-chunked"), ()),
         # the trainable head's gradient made block by block of the vocabulary (less memory)
         "q35lab (dW by vocabulary blocks)": (_setup("q35lab-recompute"), ()),
         "q35lab": (_setup("q35lab"), ()),
