@@ -1347,8 +1347,9 @@ def _gdn_terms(d: _Dims, e: int, r: int) -> tuple[dict, dict]:
     H, Hv, dk, dv, vd = d.H, d.Hv, d.dk, d.dv, d.value_dim
     saved = {
         "GDN: input (saved by in_proj)": H * e,
-        "GDN: in_proj output, one buffer [qkv|z|b|a]": (d.conv_dim + vd + 2 * Hv) * e,
-        "GDN: z, contiguous copy (gated-norm gate)": vd * e,
+        # z has a buffer of its own (the patch's own_buffer): the norm's reshape of it is a view
+        "GDN: in_proj output [qkv|b|a], one buffer (saved by the conv)": (d.conv_dim + 2 * Hv) * e,
+        "GDN: in_proj z, its own buffer (saved by the gated norm)": vd * e,
         "GDN: beta, softplus in/out, g (fp32)": Hv * (e + 12),
         "GDN core: q, k l2-normed + fp32 rstd": 2 * (d.key_dim * e + 4 * d.Hk),
         "GDN core: v (contiguous copy)": vd * e,

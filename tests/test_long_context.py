@@ -488,11 +488,12 @@ def test_the_terms_for_the_tiny_config_by_hand():
     model = lc.bytes_per_token(_tiny_config(), lora_rank=4, dtype_bytes=4, loss_chunk_bytes=0, slack_bytes=0)
     mlp = model.phases["MLP backward (GatedDeltaNet layer)"]
     # checkpoints 2·64·4 = 512, residual grads 3·64·4 = 768, ids/labels/positions/RoPE 8+8+32+2·8·4 = 112
-    # GDN saved: input 256, in_proj (128 + 64 + 8)·4 = 800 [conv_dim = 2·32 + 64], z 256, gates 4·(4+12) = 64,
-    #   q/k 2·(32·4 + 4·2) = 272, v 256, A 4·64·4 = 1024, core out 256, gated-norm out 256, xa 5·4·4 = 80
+    # GDN saved: input 256, in_proj [qkv|b|a] (128 + 8)·4 = 544 [conv_dim = 2·32 + 64], z in its own buffer
+    #   64·4 = 256 (no copy of it), gates 4·(4+12) = 64, q/k 2·(32·4 + 4·2) = 272, v 256, A 4·64·4 = 1024,
+    #   core out 256, gated-norm out 256, xa 5·4·4 = 80
     # norms 256 + 4 + 4; MLP: input 256, gate/up 768, xa 48, dh 384 (no SwiGLU output: swiglu_down)
-    gdn_saved = 256 + 800 + 256 + 64 + 272 + 256 + 1024 + 256 + 256 + 80
-    assert gdn_saved == 3520
+    gdn_saved = 256 + 544 + 256 + 64 + 272 + 256 + 1024 + 256 + 256 + 80
+    assert gdn_saved == 3264
     assert mlp == 512 + 768 + 112 + gdn_saved + 264 + 1456
     # GDN backward: d(out), dz 2·256, w, u, v_new 3·256, h, dh 2·4·16·16·4/64 = 128, dv, dw 512, dq, dk 512
     gdn = 512 + 768 + 112 + gdn_saved + 512 + 768 + 128 + 512 + 512 + 4
@@ -897,12 +898,12 @@ def test_the_tiled_gated_delta_net_terms_and_the_9b_at_half_a_million_tokens():
     config, GiB = e2e.config("9b"), 2**30
     before = lc.bytes_per_token(config, tiled_mlp_tokens=8192, offload=True)
     after = lc.bytes_per_token(config, tiled_mlp_tokens=8192, tiled_gdn_tokens=8192, offload=True)
-    assert before.phase == "GatedDeltaNet backward" and 220 * 1024 < before.per_token < 222 * 1024
+    assert before.phase == "GatedDeltaNet backward" and 212 * 1024 < before.per_token < 214 * 1024
     # tiled, the GatedDeltaNet keeps 2·H·e + its carries a token (+ checkpoints, residual): attention is the peak
     assert after.phases["GatedDeltaNet backward"] < 57 * 1024 and after.phase == "attention backward"
-    assert after.longest_fit() > 1.4 * before.longest_fit()
+    assert after.longest_fit() > 1.3 * before.longest_fit()
     # half a million tokens on one H200 with 109 GiB of host memory for checkpoints: some layers kept on the GPU
-    assert lc.plan_offload_layers(config, 512 * 1024, host_bytes=125 * GiB, tiled_mlp_tokens=8192) == (27, False)
+    assert lc.plan_offload_layers(config, 512 * 1024, host_bytes=125 * GiB, tiled_mlp_tokens=8192) == (27, True)
     layers, fits = lc.plan_offload_layers(config, 512 * 1024, host_bytes=125 * GiB, tiled_mlp_tokens=8192,
                                           tiled_gdn_tokens=8192)
     assert fits and layers < 27
