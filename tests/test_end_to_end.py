@@ -782,3 +782,32 @@ def test_a_failed_child_replaces_only_its_own_size_rows(tmp_path, monkeypatch):
     assert rows.loc["9b", "step_ms"] == 5162.1 and rows.loc["27b", "step_ms"] == 15337.0
     failed = rows.loc["35b-a3b"]
     assert failed.status == "error" and failed.layers == 40 and failed.note == "the process failed"
+
+
+def test_a_recorded_step_failing_with_a_system_error_runs_again_without_the_recompute_early_stop():
+    """memory_at_peak's way around pytorch#179536: the step once more with the recompute run to
+    each layer's end; a step that works runs once, and other errors are not caught."""
+    import torch.utils.checkpoint as checkpointing
+
+    from q35lab.bench.e2e.memory import with_full_recompute_on_system_error
+
+    seen = []
+
+    def failing_once():
+        seen.append(checkpointing._enable_checkpoint_early_stop)
+        if len(seen) == 1:
+            raise SystemError("<built-in method apply of FunctionMeta object> returned NULL without setting an exception")
+        return "snapshot"
+
+    default = checkpointing._enable_checkpoint_early_stop  # None: stop early, torch's default
+    assert with_full_recompute_on_system_error(failing_once) == ("snapshot", False)
+    assert seen == [default, False] and default is not False
+    assert checkpointing._enable_checkpoint_early_stop is default  # restored after
+    seen.clear()
+    assert with_full_recompute_on_system_error(lambda: seen.append(1) or "ok") == ("ok", True) and seen == [1]
+
+    def out_of_memory():
+        raise RuntimeError("CUDA out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        with_full_recompute_on_system_error(out_of_memory)

@@ -9,6 +9,7 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch.utils.checkpoint
 
 from .step import _training_setup, tokens, train_step
 
@@ -69,21 +70,42 @@ def memory_at_peak(model, T: int, lr: float = 1e-4) -> dict:
     the step's peak above its starting point and its largest sources (MiB), as CSV columns."""
     device, vocab, optimizer = _training_setup(model, lr)
     ids = tokens(T, vocab, device, seed=0)
-    torch.cuda.synchronize()
-    # Stacks of allocations only (context="alloc"): the peak's sources need no more, and with the
-    # default ("all": stacks of frees too) every step recorded on the H200 under torch 2.11 failed
-    # inside an autograd Function's apply with "returned NULL without setting an exception"
-    torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=2_000_000)
-    try:
-        start = torch.cuda.memory_allocated()
-        train_step(model, optimizer, ids)
+
+    def recorded_step():
         torch.cuda.synchronize()
-        snapshot = torch.cuda.memory._snapshot()
-    finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
+        # Stacks of allocations only (context="alloc"): the peak's sources need no more
+        torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=2_000_000)
+        try:
+            start = torch.cuda.memory_allocated()
+            train_step(model, optimizer, ids)
+            torch.cuda.synchronize()
+            return start, torch.cuda.memory._snapshot()
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            optimizer.zero_grad(set_to_none=True)  # a failed step leaves no gradients behind
+
+    (start, snapshot), early_stop = with_full_recompute_on_system_error(recorded_step)
     peak, sources = peak_breakdown(snapshot["device_traces"][device.index or 0])
     return {"step_start_gib": start / 2**30, "step_peak_above_start_gib": peak / 2**30,
-            "peak_sources_mib": json.dumps({name: round(size / 2**20) for name, size in sources})}
+            "peak_sources_mib": json.dumps({name: round(size / 2**20) for name, size in sources}),
+            "peak_recompute": "stopped early (as in the timed steps)" if early_stop else "run to the layer's end"}
+
+
+def with_full_recompute_on_system_error(step):
+    """``(step(), True)``; if ``step`` raises ``SystemError``, ``(step(), False)`` run again with
+    checkpointing's recompute going to the end of each layer (``set_checkpoint_early_stop(False)``).
+
+    Why: on the H200 under torch 2.11 every step recorded with the allocator's history failed
+    inside an autograd Function's apply ("returned NULL without setting an exception"), the
+    regression of pytorch/pytorch#179536 (history on, non-reentrant checkpointing). The recompute
+    stops early by raising an exception through the layer's ops; without the early stop none is
+    raised. The recompute then also makes the layer's last tensors, freed at once: the peak it
+    records may be that much higher than the timed steps'."""
+    try:
+        return step(), True
+    except SystemError:
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            return step(), False
 
 
 def out_of_memory_note(exc: BaseException) -> str:
