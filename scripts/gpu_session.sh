@@ -27,8 +27,8 @@
 #   bash scripts/gpu_session.sh flex       # the packed row under flex attention, q35lab and PEFT + Liger
 #   bash scripts/gpu_session.sh fsdp       # q35lab and PEFT + Liger under FSDP2 on every GPU of the machine
 #                                          # (world size 1 on one H200: the sharded code path, measured)
-#   LONG_T="T..." bash scripts/gpu_session.sh long  # each long-context option alone at 32k, then
-#                                          # q35lab+long at each T until one fits
+#   bash scripts/gpu_session.sh long_cost  # q35lab and each long-context option at 32k (their cost)
+#   LONG_T="T..." bash scripts/gpu_session.sh long  # q35lab+long at each T until one fits
 #   bash scripts/gpu_session.sh notebooks  # every notebook executed (outputs kept)
 #
 # The first step that trains a model at a new shape spends 60-130 s in fla's autotuning (cached for
@@ -40,7 +40,7 @@
 # The device's copy of the tree is current but its git metadata can be stale: on 2026-12-01 its
 # git said 5830af9+dirty for a tree that was 358bb36.
 set -uo pipefail
-[[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|step|peers|ablation|sizes9b|floors|big35|big27|packed|padded|current_tf|flex|long|fsdp|notebooks ..."; exit 2; }
+[[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|step|peers|ablation|sizes9b|floors|big35|big27|packed|padded|current_tf|flex|long_cost|long|fsdp|notebooks ..."; exit 2; }
 [[ -n ${Q35LAB_COMMIT:-} ]] || echo "warning: Q35LAB_COMMIT is not set: the rows take the device's git metadata, which can be stale"
 csv=data/bench/nvidia-h200/end_to_end.csv
 e2e() {  # e2e SECONDS VARIANTS T ARGS...
@@ -103,11 +103,12 @@ case $stage in
     # 0.72x its one-sequence throughput); flex attention's block mask skips the blocks between sequences
     for v in q35lab peft+liger; do e2e 200 $v 32768 --size 9b --steps 2 --batch packed --attention flex_attention; done
     ;;
-  long)
-    e2e 150 q35lab+tiled 32768 --size 9b --steps 2 --breakdown
-    e2e 150 q35lab+offload 32768 --size 9b --steps 2 --breakdown
+  long_cost)  # what each long-context option costs at 32k, beside q35lab without them in the same call
+    for v in q35lab q35lab+tiled q35lab+offload q35lab+long; do e2e 150 $v 32768 --size 9b --steps 2; done
+    ;;
+  long)  # a step at 512k is predicted at ~4 min (attention alone ~190 s): one T a call
     for T in ${LONG_T:-}; do
-      e2e 330 q35lab+long "$T" --size 9b --steps 1 --warmup 0
+      e2e 450 q35lab+long "$T" --size 9b --steps 1 --warmup 0
       python3 - "$csv" "$T" <<'EOF' && break  # stop at the first that fits
 import sys, pandas as pd
 rows = pd.read_csv(sys.argv[1])
