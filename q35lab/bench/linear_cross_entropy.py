@@ -55,8 +55,8 @@ def torch_chunked_cross_entropy(x: torch.Tensor, W: torch.Tensor, target: torch.
                                 chunk_rows: int = TORCH_CHUNK_ROWS) -> torch.Tensor:
     """``mean_i (lse(x_i·Wᵀ) − x_i·w_{t_i})`` over the rows whose target is not -100, a chunk of
     rows at a time, each chunk's loss under ``torch.utils.checkpoint``: no chunk's logits outlive
-    its forward, and the backward makes them again (one more logits matmul than the fused losses,
-    and the fp32 upcasts of transformers' path, chunk by chunk)."""
+    its forward, and the backward makes them again (one more logits matmul than a loss that makes
+    its gradients in its forward, and the fp32 upcasts of transformers' path, chunk by chunk)."""
     from torch.utils.checkpoint import checkpoint
 
     total = torch.zeros((), dtype=torch.float32, device=x.device)
