@@ -255,13 +255,16 @@ def render(data: Path | None = None, ops=None) -> list[Path]:
             written.append(out)
     if not ops or "step_breakdown" in ops:
         for csv_path in sorted((data / "bench").glob("*/step_breakdown.csv")):
-            written.append(_newest_step_breakdown(core.read_csv(csv_path), data / "figures" /
-                                                  figure_name("step_breakdown", "", csv_path.parent.name)))
+            df = core.read_csv(csv_path)
+            sizes = _as_text(df[["size"]])["size"] if "size" in df else pandas.Series("", index=df.index)
+            for size in dict.fromkeys(sizes):  # one figure a model size: a 27B step never replaces the 9B's
+                out = data / "figures" / figure_name("step_breakdown", size, csv_path.parent.name)
+                written.append(_newest_step_breakdown(df[sizes == size], out))
     return written
 
 
 def _newest_step_breakdown(df: pandas.DataFrame, out: Path) -> Path:
-    """The figure of the step a step_breakdown.csv recorded last (its last row's step)."""
+    """The figure of the step these rows recorded last (their last row's step)."""
     keys = [c for c in _step_key() if c in df]
     as_text = _as_text(df[keys])
     step = df[(as_text == as_text.iloc[-1]).all(axis=1)]

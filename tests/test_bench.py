@@ -338,17 +338,20 @@ def test_plots_draw_the_step_breakdown_of_the_last_recorded_step(tmp_path, monke
     earlier = core.read_csv(committed)
     later = earlier.assign(commit="later", ms=earlier.ms * 2)  # a second step, recorded after the first
     packed = later.assign(batch="packed", ms=earlier.ms * 3)  # and a packed step of the same commit, before it
+    bigger = earlier.assign(size="27b", commit="bigger", ms=earlier.ms * 4)  # another model, recorded last
     folder = tmp_path / "bench" / "test-gpu"
     folder.mkdir(parents=True)
-    pd.concat([earlier, packed, later]).to_csv(folder / "step_breakdown.csv", index=False)
+    pd.concat([earlier, packed, later, bigger]).to_csv(folder / "step_breakdown.csv", index=False)
     drawn = []
     original = plots.step_breakdown_figure
     monkeypatch.setattr(plots, "step_breakdown_figure", lambda rows: drawn.append(rows) or original(rows))
     written = plots.render(tmp_path)
-    assert [p.name for p in written] == ["step_breakdown_test-gpu.png"]
-    assert written[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    (rows,) = drawn
+    assert set(earlier["size"]) == {"9b"}
+    assert [p.name for p in written] == ["step_breakdown-9b_test-gpu.png", "step_breakdown-27b_test-gpu.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written)
+    rows, big = drawn  # each size's last step: the 9B's is not the 27B's recorded after it
     assert set(rows.commit) == {"later"} and len(rows) == len(earlier) and rows.batch.isna().all()
+    assert set(big.commit) == {"bigger"} and set(big["size"]) == {"27b"}
     with pytest.raises(ValueError, match="one step"):  # two steps of one commit are not one figure
         plots.step_breakdown_figure(pd.concat([later, packed]))
 
