@@ -11,6 +11,7 @@
 #                                          # tests first and lost the machine, with nothing returned)
 #   bash scripts/gpu_session.sh STAGE STAGE...  # several stages in one call, in order
 #   bash scripts/gpu_session.sh ops        # check and sweep the conv, SwiGLU and the delta-rule core
+#   bash scripts/gpu_session.sh ops_new    # in_proj and the loss at 16k/32k: their new rows (z own buffer; chunked PyTorch)
 #   bash scripts/gpu_session.sh step       # q35lab's 9B step at 32k with its breakdown and floor
 #   bash scripts/gpu_session.sh peers      # PEFT + Liger, axolotl's recipe, PEFT at 9B/32k
 #   bash scripts/gpu_session.sh ablation   # PEFT with one optimization at a time, 9B/32k (ablation.csv)
@@ -40,7 +41,7 @@
 # The device's copy of the tree is current but its git metadata can be stale: on 2026-12-01 its
 # git said 5830af9+dirty for a tree that was 358bb36.
 set -uo pipefail
-[[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|step|peers|ablation|sizes9b|floors|big35|big27|packed|padded|current_tf|flex|long_cost|long|fsdp|notebooks ..."; exit 2; }
+[[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|ops_new|step|peers|ablation|sizes9b|floors|big35|big27|packed|padded|current_tf|flex|long_cost|long|fsdp|notebooks ..."; exit 2; }
 [[ -n ${Q35LAB_COMMIT:-} ]] || echo "warning: Q35LAB_COMMIT is not set: the rows take the device's git metadata, which can be stale"
 csv=data/bench/nvidia-h200/end_to_end.csv
 e2e() {  # e2e SECONDS VARIANTS T ARGS...
@@ -52,6 +53,8 @@ case $stage in
   tests) STEPS=tests TIMEOUT_tests=${TIMEOUT_tests:-330} bash scripts/gpu_run.sh ;;
   ops) STEPS=check,bench OPS="causal_conv1d swiglu delta_rule" BENCH_T="32768 131072" STEP_TIMEOUT=270 \
            bash scripts/gpu_run.sh ;;
+  ops_new)  # the rows notebooks 04 and 05 wait for: in_proj's "q35lab (z own buffer)", the loss's "pytorch, chunked"
+    STEPS=check,bench OPS="in_proj linear_cross_entropy" BENCH_T="16384 32768" STEP_TIMEOUT=270 bash scripts/gpu_run.sh ;;
   step) e2e 330 q35lab 32768 --size 9b --steps 2 --breakdown --memory-at-peak ;;  # fla's autotuning, 3 steps,
         # the allocator-recorded one, the profiled one: ~250 s on a fresh machine without .triton-autotune
   peers)  # on a fresh machine without .triton-autotune: axolotl's first step 188 s, PEFT + Liger's > 130 s (38249b1)
