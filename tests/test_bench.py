@@ -354,6 +354,8 @@ def test_plots_draw_the_step_breakdown_of_the_last_recorded_step(tmp_path, monke
     assert set(big.commit) == {"bigger"} and set(big["size"]) == {"27b"}
     with pytest.raises(ValueError, match="one step"):  # two steps of one commit are not one figure
         plots.step_breakdown_figure(pd.concat([later, packed]))
+    earlier.drop(columns="size").to_csv(folder / "step_breakdown.csv", index=False)  # rows from before sizes
+    assert [p.name for p in plots.render(tmp_path, ["step_breakdown"])] == ["step_breakdown_test-gpu.png"]
 
 
 def test_in_proj_benchmark_measures_the_patch_arrangement_with_the_same_outputs():
