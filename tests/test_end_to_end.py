@@ -791,12 +791,17 @@ def test_a_recorded_step_failing_with_a_system_error_runs_again_without_the_reco
 
     from q35lab.bench.e2e.memory import with_full_recompute_on_system_error
 
-    seen = []
+    import weakref
+
+    seen, first_steps_tensor = [], []
 
     def failing_once():
         seen.append(checkpointing._enable_checkpoint_early_stop)
         if len(seen) == 1:
+            held = torch.ones(1000)  # what a failed step's frames hold (its graph, its checkpoints)
+            first_steps_tensor.append(weakref.ref(held))
             raise SystemError("<built-in method apply of FunctionMeta object> returned NULL without setting an exception")
+        assert first_steps_tensor[0]() is None  # the failed step's frames are gone before the retry
         return "snapshot"
 
     default = checkpointing._enable_checkpoint_early_stop  # None: stop early, torch's default

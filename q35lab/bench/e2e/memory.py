@@ -4,6 +4,7 @@ out-of-memory error says."""
 from __future__ import annotations
 
 import collections
+import gc
 import json
 import traceback
 from pathlib import Path
@@ -104,8 +105,12 @@ def with_full_recompute_on_system_error(step):
     try:
         return step(), True
     except SystemError:
-        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
-            return step(), False
+        pass  # retried outside the handler: its traceback holds the failed step's graph and tensors
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        return step(), False
 
 
 def out_of_memory_note(exc: BaseException) -> str:
