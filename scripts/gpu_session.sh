@@ -64,8 +64,7 @@ case $stage in
     ;;
   ablation)  # ablation.csv: PEFT with one optimization at a time, beside PEFT, PEFT + Liger and all of q35lab
             # in the same run; one variant a run, so that a call cut at its limit keeps the rows before
-    # (the three options a047ce5's ablation did not reach first, the peers next: a call cut short keeps those)
-    # ABLATION="..." runs only those (each option's row still has its call's PEFT row beside it if listed)
+    # 10 runs of ~45 s: more than one call; ABLATION="..." runs only those (list peft to keep a PEFT row beside)
     for v in ${ABLATION:-q35lab:rms_norm q35lab:swiglu q35lab:conv peft peft+liger q35lab q35lab:lora q35lab:flce \
              q35lab:in_proj q35lab:gated_norm}; do
       E2E_OUT=ablation.csv e2e 110 $v 32768 --size 9b --steps 1
@@ -76,7 +75,7 @@ case $stage in
     ;;
   floors)  # the 27B's and the 35B-A3B's step at 32k with their profile and floor (9B's: the step stage), each beside
            # PEFT + Liger in the same call
-    for size in 27b 35b-a3b; do
+    for size in ${FLOORS:-27b 35b-a3b}; do  # FLOORS="35b-a3b": one size a call where the call is short
       e2e 300 q35lab 32768 --size $size --steps 2 --breakdown
       e2e 300 peft+liger 32768 --size $size --steps 2
     done
@@ -107,10 +106,14 @@ case $stage in
     for v in q35lab peft+liger; do e2e 200 $v 32768 --size 9b --steps 2 --batch packed --attention flex_attention; done
     ;;
   long_cost)  # what each long-context option costs at 32k, beside q35lab without them in the same call
-    for v in q35lab q35lab+tiled q35lab+offload q35lab+long; do e2e 150 $v 32768 --size 9b --steps 2; done
+    # their own CSV: a plain q35lab row in end_to_end.csv would replace the headline's, measured beside the peers
+    for v in q35lab q35lab+tiled q35lab+offload q35lab+long; do
+      E2E_OUT=long_context.csv e2e 150 $v 32768 --size 9b --steps 2
+    done
     ;;
-  long)  # a step at 512k is predicted at ~4 min (attention alone ~190 s): one T a call
-    for T in ${LONG_T:-}; do
+  long)  # a step at 512k is predicted at ~4 min (attention alone ~190 s): one T fits a call
+    [[ -n ${LONG_T:-} ]] || { echo "long: set LONG_T (the lengths to try, in order)"; exit 2; }
+    for T in $LONG_T; do
       e2e 450 q35lab+long "$T" --size 9b --steps 1 --warmup 0
       python3 - "$csv" "$T" <<'EOF' && break  # stop at the first that fits
 import sys, pandas as pd
