@@ -372,7 +372,7 @@ class _InProjForward(_Forward):
 # 32k tokens, kept for the norm's backward beside the shared buffer's own z columns); qkv, b and
 # a are read where they lie (the convolution and elementwise ops take strides), so they share
 # one buffer and one GEMM.
-IN_PROJ_GROUP = ("in_proj_qkv", "in_proj_b", "in_proj_a", "in_proj_z")
+IN_PROJ_GROUP = (*(name for name in IN_PROJ_NAMES if name != "in_proj_z"), "in_proj_z")
 IN_PROJ_OWN_BUFFER = (IN_PROJ_GROUP.index("in_proj_z"),)
 
 

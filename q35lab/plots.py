@@ -256,7 +256,7 @@ def render(data: Path | None = None, ops=None) -> list[Path]:
     if not ops or "step_breakdown" in ops:
         for csv_path in sorted((data / "bench").glob("*/step_breakdown.csv")):
             df = core.read_csv(csv_path)
-            sizes = _as_text(df[["size"]])["size"] if "size" in df else df.index.map(lambda _: "")
+            sizes = _as_text(df.reindex(columns=["size"]))["size"]  # no size column (older rows): ""
             for size in dict.fromkeys(sizes):  # one figure a model size: a 27B step never replaces the 9B's
                 out = data / "figures" / figure_name("step_breakdown", size, csv_path.parent.name)
                 written.append(_newest_step_breakdown(df[sizes == size], out))

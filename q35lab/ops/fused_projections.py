@@ -183,15 +183,15 @@ class FusedLoRAProjectionsFunction(torch.autograd.Function):
             # every adapter's s·xa_i·B_iᵀ against one block-diagonal [ΣN, Σr] matrix (_projected)
             b_block = _block_diagonal_b(lora_meta, B_list, offsets, dtype, x2d.device)
         else:
-            xa = b_block = None
+            xa, b_block = x2d.new_empty(0), None
         outputs = []
         for first, stop in buffers:  # one GEMM per output buffer, over its row block of W
             start, end = offsets[first], offsets[stop]
             bias = None if bias_cat is None else bias_cat[start:end]
-            y = _projected(x2d, weight_cat[start:end], bias, xa, None if b_block is None else b_block[start:end])
+            y = _projected(x2d, weight_cat[start:end], bias, xa, b_block if b_block is None else b_block[start:end])
             outputs += [_column_block(y, offsets[i] - start, offsets[i + 1] - start, x.shape[:-1])
                         for i in range(first, stop)]
-        ctx.save_for_backward(x2d, weight_cat, x2d.new_empty(0) if xa is None else xa, *adapters)
+        ctx.save_for_backward(x2d, weight_cat, xa, *adapters)
         ctx.meta, ctx.offsets, ctx.x_shape = meta, offsets, x.shape
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: no GEMM on zeros
         return tuple(outputs)

@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from ...patch import IN_PROJ_NAMES
 from .packing import sft_batch
 from .timer import RegionTimer, _Stamp
 
@@ -99,9 +100,6 @@ def measure(model, T: int, steps: int = 3, warmup: int = 1, lr: float = 1e-4, co
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else math.nan,
         "loss_first": losses[0], "losses": json.dumps([round(v, 5) for v in losses]), "core_functions": n_wrapped,
     }
-
-
-IN_PROJ_NAMES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
 
 def measure_layer(model, T: int, steps: int = 3, warmup: int = 1) -> dict:
