@@ -16,7 +16,8 @@
 #   bash scripts/gpu_session.sh peers      # PEFT + Liger, axolotl's recipe, PEFT at 9B/32k
 #   bash scripts/gpu_session.sh ablation   # PEFT with one optimization at a time, 9B/32k (ablation.csv)
 #   bash scripts/gpu_session.sh sizes9b    # 9B at 8k and 64k: q35lab, PEFT + Liger, axolotl's recipe, PEFT (.whl-peers)
-#   bash scripts/gpu_session.sh floors     # 27B and 35B-A3B at 32k: q35lab with its breakdown and floor, PEFT + Liger
+#   bash scripts/gpu_session.sh floors     # 27B and 35B-A3B at 32k: q35lab with its breakdown and floor, then
+#                                          # FLOOR_PEERS (default PEFT + Liger; axolotl's recipe needs .whl-peers)
 #   bash scripts/gpu_session.sh big35      # 35B-A3B: PEFT + Liger at 8k, 32k, 64k; q35lab at 8k and 64k
 #   bash scripts/gpu_session.sh big27      # 27B: q35lab and PEFT + Liger at 8k and 64k
 #   bash scripts/gpu_session.sh packed     # the SFT length mix at 32k: PEFT + Liger packed, q35lab packed
@@ -74,10 +75,10 @@ case $stage in
     for v in q35lab peft+liger peft+liger+axolotl peft; do e2e 150 $v "8192 65536" --size 9b --steps 2; done
     ;;
   floors)  # the 27B's and the 35B-A3B's step at 32k with their profile and floor (9B's: the step stage), each beside
-           # PEFT + Liger in the same call
+           # the peers in the same call (FLOOR_PEERS, in order: the call's limit cuts the last first)
     for size in ${FLOORS:-27b 35b-a3b}; do  # FLOORS="35b-a3b": one size a call where the call is short
       e2e 300 q35lab 32768 --size $size --steps 2 --breakdown
-      e2e 300 peft+liger 32768 --size $size --steps 2
+      for v in ${FLOOR_PEERS:-peft+liger}; do e2e 300 $v 32768 --size $size --steps 2; done
     done
     ;;
   big35)  # 32k measured at 358bb36: q35lab; PEFT + Liger was still compiling Liger's MoE kernels at 130 s (c2f958e)
