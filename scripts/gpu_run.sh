@@ -50,11 +50,15 @@ export PYTHONPATH=${TRI}$( [[ -n ${NO_FLA:-} ]] || echo /tmp/site_fla:)/tmp/site
 export TRITON_CACHE_AUTOTUNING=1  # fla autotunes each shape once; later processes reuse the result
 # fla's autotuning took 133 s of a fresh machine's first 9B step (2026-12-01): its results (small
 # *.autotune.json files, keyed by Triton, the GPU target, the kernel's source and the shape's key)
-# come back in results.tgz (triton-autotune/); carried back as the git-ignored .triton-autotune/,
-# they seed the next machine's Triton cache, and only the chosen configurations compile there
+# come back in results.tgz (triton-autotune/); committed as data/triton-autotune/ (or carried as the
+# git-ignored .triton-autotune/), they seed the next machine's Triton cache, and only the chosen
+# configurations compile there. A result whose key no longer matches (another Triton, fla or shape) is
+# never read: stale files cost nothing but their bytes
 CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 TUNED=/tmp/triton-autotune
-if [[ -d .triton-autotune ]]; then mkdir -p "$CACHE" && cp -rn .triton-autotune/. "$CACHE"/; fi
+for seed in data/triton-autotune .triton-autotune; do
+  if [[ -d $seed ]]; then mkdir -p "$CACHE" && cp -rn $seed/. "$CACHE"/; fi
+done
 WITH_FLA=$PYTHONPATH
 python3 -c "import triton, torch; print('triton', triton.__version__, 'torch', torch.__version__)"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader

@@ -17,7 +17,7 @@
 #   bash scripts/gpu_session.sh ablation   # PEFT with one optimization at a time, 9B/32k (ablation.csv)
 #   bash scripts/gpu_session.sh sizes9b    # 9B at 8k and 64k: q35lab, PEFT + Liger, axolotl's recipe, PEFT (.whl-peers)
 #   bash scripts/gpu_session.sh floors     # 27B and 35B-A3B at 32k: q35lab with its breakdown and floor, then
-#                                          # FLOOR_PEERS (default PEFT + Liger; axolotl's recipe needs .whl-peers)
+#                                          # FLOOR_PEERS (unset: PEFT + Liger; empty: none; axolotl's recipe needs .whl-peers)
 #   bash scripts/gpu_session.sh big35      # 35B-A3B: PEFT + Liger at 8k, 32k, 64k; q35lab at 8k and 64k
 #   bash scripts/gpu_session.sh big27      # 27B: q35lab and PEFT + Liger at 8k and 64k
 #   bash scripts/gpu_session.sh packed     # the SFT length mix at 32k: PEFT + Liger packed, q35lab packed
@@ -78,7 +78,7 @@ case $stage in
            # the peers in the same call (FLOOR_PEERS, in order: the call's limit cuts the last first)
     for size in ${FLOORS:-27b 35b-a3b}; do  # FLOORS="35b-a3b": one size a call where the call is short
       e2e 300 q35lab 32768 --size $size --steps 2 --breakdown
-      for v in ${FLOOR_PEERS:-peft+liger}; do e2e 300 $v 32768 --size $size --steps 2; done
+      for v in ${FLOOR_PEERS-peft+liger}; do e2e 300 $v 32768 --size $size --steps 2; done
     done
     ;;
   big35)  # 32k measured at 358bb36: q35lab; PEFT + Liger was still compiling Liger's MoE kernels at 130 s (c2f958e)
