@@ -18,6 +18,7 @@
 #   bash scripts/gpu_session.sh sizes9b    # 9B at 8k and 64k: q35lab, PEFT + Liger, axolotl's recipe, PEFT (.whl-peers)
 #   bash scripts/gpu_session.sh floors     # 27B and 35B-A3B at 32k: q35lab with its breakdown and floor, then
 #                                          # FLOOR_PEERS (unset: PEFT + Liger; empty: none; axolotl's recipe needs .whl-peers)
+#   PEERS_AT="27b:peft+liger 35b-a3b:peft" bash scripts/gpu_session.sh peers_at  # those variants at 32k
 #   bash scripts/gpu_session.sh big35      # 35B-A3B: PEFT + Liger at 8k, 32k, 64k; q35lab at 8k and 64k
 #   bash scripts/gpu_session.sh big27      # 27B: q35lab and PEFT + Liger at 8k and 64k
 #   bash scripts/gpu_session.sh packed     # the SFT length mix at 32k: PEFT + Liger packed, q35lab packed
@@ -42,7 +43,7 @@
 # The device's copy of the tree is current but its git metadata can be stale: on 2026-12-01 its
 # git said 5830af9+dirty for a tree that was 358bb36.
 set -uo pipefail
-[[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|ops_new|step|peers|ablation|sizes9b|floors|big35|big27|packed|padded|current_tf|flex|long_cost|long|fsdp|notebooks ..."; exit 2; }
+[[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|ops_new|step|peers|peers_at|ablation|sizes9b|floors|big35|big27|packed|padded|current_tf|flex|long_cost|long|fsdp|notebooks ..."; exit 2; }
 [[ -n ${Q35LAB_COMMIT:-} ]] || echo "warning: Q35LAB_COMMIT is not set: the rows take the device's git metadata, which can be stale"
 csv=data/bench/nvidia-h200/end_to_end.csv
 e2e() {  # e2e SECONDS VARIANTS T ARGS...
@@ -80,6 +81,10 @@ case $stage in
       e2e 300 q35lab 32768 --size $size --steps 2 --breakdown
       for v in ${FLOOR_PEERS-peft+liger}; do e2e 300 $v 32768 --size $size --steps 2; done
     done
+    ;;
+  peers_at)  # PEERS_AT="SIZE:VARIANT ...": each at 32k, in order (the call's limit cuts the last first)
+    [[ -n ${PEERS_AT:-} ]] || { echo "peers_at: set PEERS_AT (SIZE:VARIANT pairs)"; exit 2; }
+    for pair in $PEERS_AT; do e2e 300 "${pair#*:}" 32768 --size "${pair%%:*}" --steps 2; done
     ;;
   big35)  # 32k measured at 358bb36: q35lab; PEFT + Liger was still compiling Liger's MoE kernels at 130 s (c2f958e)
     e2e 330 peft+liger "32768 8192 65536" --size 35b-a3b --steps 2  # the missing 32k first
