@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from q35lab.numerics import agreement, assert_close_by_rule
 from q35lab.ops import swiglu as swiglu_module
@@ -486,7 +487,7 @@ def test_the_patched_mlp_writes_its_swiglu_gradients_over_the_fused_gate_up_outp
 
 
 # --------------------------------------------------------------------------------------------
-# swiglu_down: the SwiGLU and the down projection as one node that keeps no h.
+# swiglu_down: the SwiGLU and the down projection, two nodes that keep no h and no down GEMM to recompute.
 # --------------------------------------------------------------------------------------------
 def _down_case(rows, width, out, rank, dtype, adapter, bias):
     x = torch.randn(rows, 8, device=device(), dtype=dtype, requires_grad=True)
@@ -551,6 +552,48 @@ def test_swiglu_down_keeps_no_h_for_the_backward():
     y.sum().backward()
     for t, once in zip((x, lora_A, lora_B), first):
         torch.testing.assert_close(t.grad, 2 * once)
+
+
+class _GemmsWith(TorchDispatchMode):
+    """Counts the matrix products that read a ``[k, n]`` operand (a weight's transpose)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.count = tuple(shape), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            self.count += any(isinstance(a, torch.Tensor) and tuple(a.shape) == self.shape for a in args)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("early_stop", [True, False], ids=["early-stop", "whole-recompute"])
+@pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "trainable"])
+def test_checkpointing_recomputes_no_frozen_down_projection(early_stop, trainable):
+    """Non-reentrant checkpointing stops its recompute once the last saved tensor is made again.
+    The down projection's node saves nothing when its weight is frozen, so the recompute stops
+    before its GEMM: one forward GEMM a step, not two (with early stop off: two). A trainable
+    weight saves h for dW, and its GEMM is recomputed; its gradients are the unfused path's."""
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    from q35lab.ops.swiglu import swiglu_down
+
+    x, w_g, w_u, weight, lora_A, lora_B, _ = _down_case(6, 40, 9, 4, torch.float32, True, False)
+    weight.requires_grad_(trainable)
+    block = lambda x: swiglu_down(x @ w_g, x @ w_u, weight, lora_A, lora_B, 2.0)  # noqa: E731
+    counter = _GemmsWith(weight.t().shape)
+    with counter, set_checkpoint_early_stop(early_stop):
+        y = checkpoint(block, x, use_reentrant=False)
+        y.square().sum().backward()
+    assert counter.count == (1 if early_stop and not trainable else 2)
+    grads = [t.grad for t in (x, lora_A, lora_B, weight) if t.requires_grad]
+    for t in (x, lora_A, lora_B, weight):
+        t.grad = None
+    from q35lab.ops.lora import lora_linear
+
+    lora_linear(swiglu(x @ w_g, x @ w_u), weight, lora_A, lora_B, 2.0).square().sum().backward()
+    for ours, theirs in zip(grads, [t.grad for t in (x, lora_A, lora_B, weight) if t.requires_grad]):
+        torch.testing.assert_close(ours, theirs)
 
 
 def test_swiglu_down_errors_name_the_argument():
