@@ -498,24 +498,26 @@ def test_the_floor_of_the_tiny_step_matches_a_hand_count():
     """tiny: H 64, I 128, 2 heads (+ 1 kv head) × 32, GatedDeltaNet 2 key / 4 value heads × 16,
     V 256, layers (GDN, GDN, GDN, attention), LoRA r = 8, T = 16.
 
-    GEMM FLOPs of a linear [k -> n] per token: 6kn + 8r(k + n) = 6kn + 64(k + n).
+    GEMM FLOPs of a linear [k -> n] per token: 6kn + 8r(k + n) = 6kn + 64(k + n); the MLP's down
+    projection 4kn + 64(k + n) (its base GEMM is not recomputed: the layer ends there).
     GDN: qkv 64->128 61,440; z 64->64 32,768; b, a 64->4 5,888 each; out 64->64 32,768 = 138,752.
     attention: q 64->128 61,440; k, v 64->32 18,432 each; o 64->64 32,768 = 131,072.
-    MLP: gate, up 64->128, down 128->64 61,440 each = 184,320.
-    3 × (138,752 + 184,320) + 131,072 + 184,320 + LM head 4·64·256 = 1,350,144 per token.
+    MLP: gate, up 64->128 61,440 each, down 128->64 45,056 = 167,936.
+    3 × (138,752 + 167,936) + 131,072 + 167,936 + LM head 4·64·256 = 1,284,608 per token.
 
     Streaming elements per token, (forward, backward): every layer 2 norms (128, 192), 2 residual
     adds (384, 384), SwiGLU (384, 640) = (1,024, 1,408); GDN conv over 128 channels (256, 384) and
     gated norm over 64 (192, 320): (1,472, 2,112); attention q/k norm over 96 (192, 288), rotary
     on 3 heads × 8 dims (48, 48), output gate over 64 (192, 320): (1,456, 2,064). Forward twice
-    (recompute): 3 × 5,056 + 4,976 + final norm 320 = 20,464 elements, 40,928 bytes per token."""
+    (recompute) but the last residual add's (192): 3 × 4,864 + 4,784 + final norm 320 = 19,696
+    elements, 39,392 bytes per token."""
     from q35lab.bench.e2e import floor
 
     terms = floor.step_floor(e2e.config("tiny"), 16, 8, matmul_tflops=1.0, copy_gbps=1.0, sdpa_ms=2.0, core_ms=3.0)
-    assert terms["gemm_tflop"] * 1e12 == pytest.approx(16 * 1_350_144)
-    assert terms["streaming_gb"] * 1e9 == pytest.approx(16 * 40_928)
-    assert terms["gemm_ms"] == pytest.approx(16 * 1_350_144 / 1e9)  # 1 TFLOP/s
-    assert terms["streaming_ms"] == pytest.approx(16 * 40_928 / 1e6)  # 1 GB/s
+    assert terms["gemm_tflop"] * 1e12 == pytest.approx(16 * 1_284_608)
+    assert terms["streaming_gb"] * 1e9 == pytest.approx(16 * 39_392)
+    assert terms["gemm_ms"] == pytest.approx(16 * 1_284_608 / 1e9)  # 1 TFLOP/s
+    assert terms["streaming_ms"] == pytest.approx(16 * 39_392 / 1e6)  # 1 GB/s
     assert (terms["attention_ms"], terms["core_ms"]) == (2.0, 9.0)  # 1 attention layer, 3 GatedDeltaNets
     assert terms["total_ms"] == pytest.approx(terms["gemm_ms"] + 2.0 + 9.0 + terms["streaming_ms"])
     unknown = floor.step_floor(e2e.config("tiny"), 16, 8, 1.0, 1.0, sdpa_ms=None, core_ms=3.0)

@@ -23,13 +23,16 @@ ACTIVATION_BYTES = 2
 @dataclass(frozen=True)
 class Linear:
     """A linear layer of a decoder layer: ``k`` inputs, ``n`` outputs, ``rows`` rows per token (1;
-    top-k for routed experts); ``lora``: PEFT's "all-linear" wraps it (it is an ``nn.Linear``)."""
+    top-k for routed experts); ``lora``: PEFT's "all-linear" wraps it (it is an ``nn.Linear``);
+    ``recomputed``: checkpointing's recompute runs its base GEMM again (not the dense MLP's down
+    projection: see ``_mlp_linears``)."""
 
     name: str
     k: int
     n: int
     lora: bool = True
     rows: int = 1
+    recomputed: bool = True
 
 
 def decoder_linears(config, layer_type: str) -> list[Linear]:
@@ -57,11 +60,16 @@ def _delta_rule_widths(config) -> tuple[int, int, int]:
 
 def _mlp_linears(config) -> list[Linear]:
     """The MLP's projections; a MoE layer's router and routed experts are parameters, not
-    ``nn.Linear`` (no adapter), its shared expert and that expert's gate are linear layers."""
+    ``nn.Linear`` (no adapter), its shared expert and that expert's gate are linear layers.
+
+    A dense MLP's down projection is the layer's last GEMM and its output feeds only the residual
+    add, which saves nothing: the recompute has nothing to rebuild there, and stops before it where
+    the down projection's node saves no activation (q35lab's ``swiglu_down``). In a MoE layer every
+    output is read again (the router's weights and the shared expert's gate multiply them)."""
     H = config.hidden_size
     if not getattr(config, "num_experts", 0):
         I = config.intermediate_size  # noqa: E741 (the paper's name)
-        return [Linear("gate_proj", H, I), Linear("up_proj", H, I), Linear("down_proj", I, H)]
+        return [Linear("gate_proj", H, I), Linear("up_proj", H, I), Linear("down_proj", I, H, recomputed=False)]
     top, I, shared = config.num_experts_per_tok, config.moe_intermediate_size, config.shared_expert_intermediate_size
     return [Linear("router", H, config.num_experts, lora=False),
             Linear("experts.gate_up_proj", H, 2 * I, lora=False, rows=top),
@@ -73,13 +81,13 @@ def _mlp_linears(config) -> list[Linear]:
 def linear_flop(layer: Linear, rank: int) -> int:
     """GEMM FLOPs of one linear layer per token over a whole step under gradient checkpointing.
 
-    The frozen base ``W [n, k]``: forward ``2kn``, checkpointing's recompute ``2kn``, backward dx
-    only ``2kn`` (no dW: frozen) — ``6kn``. Its LoRA adapter ``A [r, k]``, ``B [n, r]``: forward
+    The frozen base ``W [n, k]``: forward ``2kn``, checkpointing's recompute ``2kn`` (unless it
+    need not be ``recomputed``), backward dx only ``2kn`` (no dW: frozen) — ``6kn`` (``4kn``). Its LoRA adapter ``A [r, k]``, ``B [n, r]``: forward
     ``xA`` ``2kr`` and ``(xA)B`` ``2rn``, the same again in the recompute, backward dB ``2rn``,
     d(xA) ``2nr``, dA ``2kr`` and dx through A ``2rk`` — ``8r(k + n)``. Routed experts count
     ``rows`` (top-k) times."""
     adapter = 8 * rank * (layer.k + layer.n) if layer.lora else 0
-    return layer.rows * (6 * layer.k * layer.n + adapter)
+    return layer.rows * ((6 if layer.recomputed else 4) * layer.k * layer.n + adapter)
 
 
 def step_gemm_flop(config, T: int, rank: int) -> int:
@@ -94,7 +102,7 @@ def step_gemm_flop(config, T: int, rank: int) -> int:
 def step_gemms(config, T: int, rank: int) -> dict[tuple[int, int, int], int]:
     """The GEMMs of a step as ``{(m, k, n): count}`` (an ``[m, k] @ [k, n]`` product each), the
     same work ``linear_flop`` and ``step_gemm_flop`` count: per linear layer its base forward
-    ``(T, k, n)`` twice (forward, recompute) and dx ``(T, n, k)``; its adapter's ``xA (T, k, r)``
+    ``(T, k, n)`` twice (forward, recompute; once where it is not ``recomputed``) and dx ``(T, n, k)``; its adapter's ``xA (T, k, r)``
     and ``(xA)B (T, r, n)`` twice, ``dB (n, T, r)``, ``d(xA) (T, n, r)``, ``dA (r, T, k)``, dx
     through A ``(T, r, k)``; the LM head's forward ``(T, H, V)`` and dx ``(T, V, H)``. Routed
     experts as one dense GEMM of ``rows·T`` rows."""
@@ -106,7 +114,7 @@ def step_gemms(config, T: int, rank: int) -> dict[tuple[int, int, int], int]:
     for kind in config.layer_types:
         for layer in decoder_linears(config, kind):
             m, k, n, r = layer.rows * T, layer.k, layer.n, rank
-            add((m, k, n), 2)
+            add((m, k, n), 2 if layer.recomputed else 1)
             add((m, n, k), 1)
             if layer.lora:
                 for shape, count in (((m, k, r), 2), ((m, r, n), 2), ((n, m, r), 1), ((m, n, r), 1), ((r, m, k), 1),
@@ -179,13 +187,16 @@ def _partial_rotary_factor(config) -> float:
 
 
 def step_streaming_bytes(config, T: int) -> int:
-    """Streaming bytes of a step: ``b·T·(Σ_layers (2·forward + backward) + 2H + 3H)`` with the
-    elements of ``streaming_elements`` (the forward twice: gradient checkpointing recomputes it)
-    and the final norm once each way; ``b`` = 2 (bf16 activations)."""
+    """Streaming bytes of a step: ``b·T·(Σ_layers (2·forward − tail + backward) + 2H + 3H)`` with the
+    elements of ``streaming_elements`` (the forward twice: gradient checkpointing recomputes it,
+    but for a dense layer's last residual add, ``tail`` = ``3H``, which follows the down projection
+    the recompute need not reach: ``_mlp_linears``) and the final norm once each way; ``b`` = 2
+    (bf16 activations)."""
+    tail = 0 if getattr(config, "num_experts", 0) else 3 * config.hidden_size
     per_token = 0
     for kind in config.layer_types:
         forward, backward = streaming_elements(config, kind)
-        per_token += 2 * forward + backward
+        per_token += 2 * forward - tail + backward
     return ACTIVATION_BYTES * T * (per_token + 5 * config.hidden_size)
 
 
