@@ -554,16 +554,18 @@ def test_swiglu_down_keeps_no_h_for_the_backward():
         torch.testing.assert_close(t.grad, 2 * once)
 
 
-class _GemmsWith(TorchDispatchMode):
-    """Counts the matrix products that read a ``[k, n]`` operand (a weight's transpose)."""
+class _ForwardGemmsOf(TorchDispatchMode):
+    """Counts the matrix products ``x·Wᵀ`` of a weight: those whose right operand is ``W``
+    transposed (the backward's ``dy·W`` reads it as it is)."""
 
-    def __init__(self, shape):
+    def __init__(self, weight):
         super().__init__()
-        self.shape, self.count = tuple(shape), 0
+        self.weight, self.count = weight, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
-            self.count += any(isinstance(a, torch.Tensor) and tuple(a.shape) == self.shape for a in args)
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+            right = args[-1]
+            self.count += right.data_ptr() == self.weight.data_ptr() and right.stride() == self.weight.t().stride()
         return func(*args, **(kwargs or {}))
 
 
@@ -581,7 +583,7 @@ def test_checkpointing_recomputes_no_frozen_down_projection(early_stop, trainabl
     x, w_g, w_u, weight, lora_A, lora_B, _ = _down_case(6, 40, 9, 4, torch.float32, True, False)
     weight.requires_grad_(trainable)
     block = lambda x: swiglu_down(x @ w_g, x @ w_u, weight, lora_A, lora_B, 2.0)  # noqa: E731
-    counter = _GemmsWith(weight.t().shape)
+    counter = _ForwardGemmsOf(weight)
     with counter, set_checkpoint_early_stop(early_stop):
         y = checkpoint(block, x, use_reentrant=False)
         y.square().sum().backward()
