@@ -598,6 +598,33 @@ def test_checkpointing_recomputes_no_frozen_down_projection(early_stop, trainabl
         torch.testing.assert_close(ours, theirs)
 
 
+def test_the_down_projections_input_gradient_is_made_after_the_recompute():
+    """Under checkpointing, ``dh = dy·W`` ([T, I]) is made by the first node after it unpacks its
+    saved tensors, i.e. after the layer's recompute, so it is never alive beside the recompute's
+    ``h`` ([T, I] too): the order of the GEMMs that read the gate weight and the down weight."""
+    from torch.utils.checkpoint import checkpoint
+
+    from q35lab.ops.swiglu import swiglu_down
+
+    x, w_g, w_u, weight, lora_A, lora_B, _ = _down_case(6, 40, 9, 4, torch.float32, True, False)
+    order = []
+
+    class Order(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+                right = args[-1]
+                if right.data_ptr() == w_g.data_ptr():
+                    order.append("gate")
+                elif right.data_ptr() == weight.data_ptr() and right.stride() == weight.stride():
+                    order.append("dh")  # dy·W: the down projection's input gradient
+            return func(*args, **(kwargs or {}))
+
+    with Order():
+        y = checkpoint(lambda x: swiglu_down(x @ w_g, x @ w_u, weight, lora_A, lora_B, 2.0), x, use_reentrant=False)
+        y.square().sum().backward()
+    assert order == ["gate", "gate", "dh", "gate"]  # forward, recompute, dh, then the gate GEMM's own dx
+
+
 def test_swiglu_down_errors_name_the_argument():
     from q35lab.ops.swiglu import swiglu_down
 

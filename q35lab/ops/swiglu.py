@@ -580,7 +580,8 @@ class SwiGLUPackedFunction(torch.autograd.Function):
 
 class SwiGLUDownFunction(torch.autograd.Function):
     """The first of ``swiglu_down``'s two nodes: ``h = silu(g)·u`` and the adapter's term
-    ``t = s·(h·Aᵀ)·Bᵀ + b`` (``t`` None without an adapter; the bias then goes to the second node).
+    ``t = s·(h·Aᵀ)·Bᵀ + b`` (without an adapter ``t`` is a zero-stride placeholder and the bias
+    goes to the second node).
 
     Saves ``g``, ``u`` and the adapter's ``[T, r]`` ``xa = h·Aᵀ``, not ``h`` (``[T, I]``, 768 MiB a
     layer at 9B and 32k tokens): ``h`` is needed again only for the adapter's ``dA = dxaᵀ·h``, and
@@ -589,80 +590,88 @@ class SwiGLUDownFunction(torch.autograd.Function):
 
     The two nodes are one function split in two, private to ``swiglu_down`` (``h`` and ``t`` are
     never returned), and their backward is split otherwise than their forward: the second node
-    returns ``h``'s whole gradient, ``dh = dxa·A + dy·W`` with ``dxa = s·dy·B`` (summed in
-    ``lora_linear``'s order, so the result is its bits), and ``dt = dy``. This node takes ``dh``
-    as it comes, rebuilds ``dxa`` from ``dt`` (one thin GEMM) for ``dA`` and ``dB``, and one SwiGLU
-    kernel writes ``dg``, ``du`` (over ``g``, ``u`` when ``_may_overwrite`` allows) and ``h`` (over
-    ``dh``, a buffer of the second node's making)."""
+    passes ``dt = dy`` on and gives ``h`` no gradient, and this node computes ``h``'s whole
+    gradient from ``dt``, ``dh = dxa·A + dy·W`` with ``dxa = s·dy·B`` (``lora_linear``'s order: its
+    bits). So ``dh`` is made here, after this node's saved tensors are unpacked (under
+    checkpointing: after the recompute of the layer), and never meets the recompute's ``h``. One
+    SwiGLU kernel then writes ``dg``, ``du`` (over ``g``, ``u`` when ``_may_overwrite`` allows) and
+    ``h`` (over ``dh``)."""
 
     @staticmethod
-    def forward(ctx, gate, up, lora_A, lora_B, bias, scaling: float, rounding: str,
+    def forward(ctx, gate, up, weight, lora_A, lora_B, bias, scaling: float, rounding: str,
                 config: LaunchConfig | None, inplace: str):
         g2d, g_copied = _rows(gate)
         u2d, u_copied = _rows(up)
-        dtype = gate.dtype
+        dtype, rows, N = gate.dtype, g2d.shape[0], weight.shape[0]
         h = swiglu_fwd(g2d, u2d, rounding, config=config)
-        xa = t = None
+        xa = None
         if lora_A is not None:
             xa = h @ lora_A.to(dtype).t()  # [T, r]
-            t = torch.empty(h.shape[0], lora_B.shape[0], dtype=dtype, device=h.device)
+            t = torch.empty(rows, N, dtype=dtype, device=h.device)
             _project_into(t, xa, (lora_B * scaling).to(dtype), bias, None, None)  # the thin GEMM (+ bias)
+        else:  # nothing to add: t only carries dy back to this node
+            t = torch.zeros((), dtype=dtype, device=h.device).expand(rows, N)
+        ctx.set_materialize_grads(False)  # h gets no gradient from the second node: no [T, I] of zeros
         ctx.save_for_backward(g2d if g_copied else gate, u2d if u_copied else up, lora_A, lora_B, xa)
+        ctx.weight = weight  # a parameter: held, not saved
         ctx.owned, ctx.scaling, ctx.rounding, ctx.config, ctx.inplace = (g_copied, u_copied), scaling, rounding, config, inplace
         ctx.shape, ctx.bias_dtype = gate.shape, None if bias is None else bias.dtype
         return h, t
 
     @staticmethod
     @first_order_only
-    def backward(ctx, dh, dt):
+    def backward(ctx, _, dt):
+        if dt is None:  # y reached nothing that needs a gradient
+            return (None,) * 10
         gate, up, lora_A, lora_B, xa = ctx.saved_tensors
         g_counts = _ownership(gate)  # first: nothing below may hold extra references yet
         u_counts = _ownership(up)
-        need_dg, need_du, need_a, need_bm, need_b = ctx.needs_input_grad[:5]
+        need_dg, need_du, _, need_a, need_bm, need_b = ctx.needs_input_grad[:6]
         dtype = gate.dtype
-        dxa = None if lora_A is None else dt @ (lora_B * ctx.scaling).to(dtype)  # [T, r]: s · dy·B, as node 2's
+        dt = dt.to(dtype)
+        dxa = None if lora_A is None else dt @ (lora_B * ctx.scaling).to(dtype)  # [T, r]: s · dy·B
+        dh = _input_grad(dt, ctx.weight, dxa, lora_A)  # h's whole gradient, made after the unpacking above
         g2d, u2d, into_g, into_u = _overwrite_plan(ctx, gate, up, g_counts, u_counts, need_dg, need_du, dh)
-        need_h = need_a and dxa is not None
         dg, du = swiglu_bwd(dh, g2d, u2d, need_dg=need_dg, need_du=need_du, dg=g2d if into_g else None,
-                            du=u2d if into_u else None, h_out=dh if need_h else None, rounding=ctx.rounding,
+                            du=u2d if into_u else None, h_out=dh if need_a else None, rounding=ctx.rounding,
                             config=ctx.config)
-        h = dh if need_h else None  # dh's buffer now holds h
+        h = dh if need_a else None  # dh's buffer now holds h
         if ctx.inplace == "auto":
             if into_g:
                 _bump_version(gate)
             if into_u:
                 _bump_version(up)
-        dA = (dxa.t() @ h).to(lora_A.dtype) if need_h else None
+        dA = (dxa.t() @ h).to(lora_A.dtype) if need_a else None
         dB = _scaled_product(dt.t(), xa, ctx.scaling).to(lora_B.dtype) if need_bm else None
         db = dt.sum(0).to(ctx.bias_dtype) if need_b else None
         return (dg.detach().view(ctx.shape) if dg is not None else None,
                 du.detach().view(ctx.shape) if du is not None else None,
-                dA, dB, db, None, None, None, None)
+                None, dA, dB, db, None, None, None, None)
 
 
 class DownProjectionFunction(torch.autograd.Function):
-    """The second of ``swiglu_down``'s nodes: ``y = t + h·Wᵀ`` (``t`` None: ``h·Wᵀ + b``).
+    """The second of ``swiglu_down``'s nodes: ``y = t + h·Wᵀ`` (without an adapter ``y = h·Wᵀ + b``,
+    ``t`` a placeholder).
 
-    With a frozen ``W`` it saves nothing: its backward needs only ``dy`` and parameters (``W``, and
-    the adapter's ``A``, ``B`` for ``h``'s whole gradient: see ``SwiGLUDownFunction``), held, not
-    saved as activations. That is the point of the split. Under gradient checkpointing (PyTorch's non-reentrant one, which
-    transformers uses) the backward's recompute of a layer stops as soon as the layer's last saved
-    tensor is made again; the down projection is the last GEMM of a decoder layer and its output
-    feeds only the residual add, so when the node after ``g``, ``u`` and ``xa`` saves nothing, the
-    recompute stops before this GEMM: the largest GEMM of the layer runs twice a step, not three
-    times. A trainable ``W`` needs ``h`` for ``dW = dyᵀ·h``: then ``h`` is saved (and recomputed)."""
+    With a frozen ``W`` it saves nothing: its backward only passes ``dy`` on as ``t``'s gradient
+    (``h``'s is computed by the first node, see ``SwiGLUDownFunction``). That is the point of the
+    split. Under gradient checkpointing (PyTorch's non-reentrant one, which transformers uses) the
+    backward's recompute of a layer stops as soon as the layer's last saved tensor is made again;
+    the down projection is the last GEMM of a decoder layer and its output feeds only the
+    residual add, so when the node after ``g``, ``u`` and ``xa`` saves nothing, the recompute stops
+    before this GEMM: the largest GEMM of the layer runs twice a step, not three times. A
+    trainable ``W`` needs ``h`` for ``dW = dyᵀ·h``: then ``h`` is saved (and recomputed)."""
 
     @staticmethod
-    def forward(ctx, h, t, weight, bias, out_shape: tuple, adapter: tuple | None):
-        """``adapter``: ``(lora_A, lora_B, scaling)`` of the term ``t`` carries, or None."""
+    def forward(ctx, h, t, weight, bias, out_shape: tuple, adapter: bool):
         dtype, N = h.dtype, weight.shape[0]
         y = torch.empty(*out_shape[:-1], N, dtype=dtype, device=h.device)  # its own tensor, not a view
         y2d = y.view(h.shape[0], N)
-        if t is not None:
+        if adapter:
             torch.addmm(t, h, weight.to(dtype).t(), out=y2d)  # the base GEMM accumulates onto the adapter's term
         else:
             _project_into(y2d, h, weight, bias, None, None)
-        ctx.weight, ctx.adapter, ctx.dtype = weight, adapter, dtype  # parameters: held, not saved
+        ctx.dtype, ctx.weight_dtype = dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(h if ctx.needs_input_grad[2] else None)
         return y
@@ -671,16 +680,11 @@ class DownProjectionFunction(torch.autograd.Function):
     @first_order_only
     def backward(ctx, dy):
         (h,) = ctx.saved_tensors
-        need_h, need_t, need_w, need_b = ctx.needs_input_grad[:4]
+        need_w, need_b = ctx.needs_input_grad[2:4]
         dy2d = dy.reshape(math.prod(dy.shape[:-1]), dy.shape[-1]).to(ctx.dtype)  # (-1 is ambiguous with no features)
-        dh = None
-        if need_h:  # the whole gradient of h: through the base and, when t carries one, the adapter
-            lora_A, lora_B, scaling = ctx.adapter or (None, None, None)
-            dxa = None if lora_A is None else dy2d @ (lora_B * scaling).to(ctx.dtype)
-            dh = _input_grad(dy2d, ctx.weight, dxa, lora_A)
-        dW = (dy2d.t() @ h).to(ctx.weight.dtype) if need_w else None  # a trainable base: supported, not optimised
+        dW = (dy2d.t() @ h).to(ctx.weight_dtype) if need_w else None  # a trainable base: supported, not optimised
         db = dy2d.sum(0).to(ctx.bias_dtype) if need_b else None
-        return dh, dy2d if need_t else None, dW, db, None, None
+        return None, dy2d, dW, db, None, None
 
 
 def _check_rounding(rounding: object) -> None:
@@ -777,7 +781,6 @@ def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, lora
     _check_rounding(rounding)
     adapter = lora_A is not None  # the bias joins the adapter's term, or else the base GEMM, as lora_linear adds it
     with torch.autocast(device_type=gate.device.type, enabled=False):
-        h, t = SwiGLUDownFunction.apply(gate, up, lora_A, lora_B, bias if adapter else None, scaling, rounding, None,
-                                        _inplace_mode(inplace_backward))
-        return DownProjectionFunction.apply(h, t, weight, None if adapter else bias, tuple(gate.shape),
-                                            (lora_A, lora_B, scaling) if adapter else None)
+        h, t = SwiGLUDownFunction.apply(gate, up, weight, lora_A, lora_B, bias if adapter else None, scaling, rounding,
+                                        None, _inplace_mode(inplace_backward))
+        return DownProjectionFunction.apply(h, t, weight, None if adapter else bias, tuple(gate.shape), adapter)
