@@ -100,11 +100,18 @@ case $stage in
     e2e 240 q35lab 32768 --size 9b --steps 2 --batch padded
     ;;
   padded) e2e 300 peft+liger 32768 --size 9b --steps 2 --batch padded ;;
-  current_tf)  # the image's transformers 5.17 repeats q and k to 32 heads before fla (the step's largest copy); the
-               # current release hands fla the 16 heads: new fla tuning keys, so the first run gets room to tune
+  current_tf)  # the image's transformers 5.17 repeats q and k to 32 heads before fla (the step's largest copy) and
+               # masks expert-parallel sentinel rows on one GPU (15% of the MoE step); the current release does
+               # neither. New fla tuning keys (16 heads), so the first run gets room to tune. CURRENT_TF_SIZES picks
+               # the sizes (default 9b; "9b 35b-a3b" adds the MoE, whose Liger row compiles for ~3 min)
     [[ -d .whl-tf ]] || { echo "current_tf: carry .whl-tf (scripts/slim_transformers.py)"; exit 2; }
-    E2E_OUT=end_to_end_current_transformers.csv e2e 300 q35lab 32768 --size 9b --steps 2
-    for v in peft+liger peft; do E2E_OUT=end_to_end_current_transformers.csv e2e 150 $v 32768 --size 9b --steps 2; done
+    for size in ${CURRENT_TF_SIZES:-9b}; do
+      E2E_OUT=end_to_end_current_transformers.csv e2e 300 q35lab 32768 --size $size --steps 2
+      for v in peft+liger peft; do
+        [[ $size == 9b || $v != peft ]] || continue  # PEFT alone only at 9B
+        E2E_OUT=end_to_end_current_transformers.csv e2e 300 $v 32768 --size $size --steps 2
+      done
+    done
     ;;
   flex)
     # SDPA takes the packed row's block-causal mask as a dense [T, T] mask (PEFT + Liger packed ran at
