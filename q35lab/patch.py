@@ -594,7 +594,7 @@ def _mlp_problem(mlp: torch.nn.Module) -> str | None:
 
 class _MLPForward(_Forward):
     """``down(swiglu(gate(x), up(x)))`` with gate and up fused when their bases are frozen, and
-    the SwiGLU and the down projection one node (``swiglu_down``: ``h`` is not kept for the
+    the SwiGLU and the down projection two nodes (``swiglu_down``: ``h`` is not kept for the
     backward) when this call's down projection is a frozen base with at most one adapter,
     without dropout or hooks, in the input's own compute dtype."""
 

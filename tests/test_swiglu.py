@@ -571,7 +571,9 @@ class _ForwardGemmsOf(TorchDispatchMode):
 
 @pytest.mark.parametrize("early_stop", [True, False], ids=["early-stop", "whole-recompute"])
 @pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "trainable"])
-def test_checkpointing_recomputes_no_frozen_down_projection(early_stop, trainable):
+@pytest.mark.parametrize("adapter, bias", [(True, False), (False, False), (False, True), (True, True)],
+                         ids=["lora", "base", "base-bias", "lora-bias"])
+def test_checkpointing_recomputes_no_frozen_down_projection(early_stop, trainable, adapter, bias):
     """Non-reentrant checkpointing stops its recompute once the last saved tensor is made again.
     The down projection's node saves nothing when its weight is frozen, so the recompute stops
     before its GEMM: one forward GEMM a step, not two (with early stop off: two). A trainable
@@ -580,28 +582,68 @@ def test_checkpointing_recomputes_no_frozen_down_projection(early_stop, trainabl
 
     from q35lab.ops.swiglu import swiglu_down
 
-    x, w_g, w_u, weight, lora_A, lora_B, _ = _down_case(6, 40, 9, 4, torch.float32, True, False)
+    x, w_g, w_u, weight, lora_A, lora_B, b = _down_case(6, 40, 9, 4, torch.float32, adapter, bias)
     weight.requires_grad_(trainable)
-    block = lambda x: swiglu_down(x @ w_g, x @ w_u, weight, lora_A, lora_B, 2.0)  # noqa: E731
+    block = lambda x: swiglu_down(x @ w_g, x @ w_u, weight, lora_A, lora_B, 2.0, b)  # noqa: E731
     counter = _ForwardGemmsOf(weight)
     with counter, set_checkpoint_early_stop(early_stop):
         y = checkpoint(block, x, use_reentrant=False)
         y.square().sum().backward()
     assert counter.count == (1 if early_stop and not trainable else 2)
-    grads = [t.grad for t in (x, lora_A, lora_B, weight) if t.requires_grad]
-    for t in (x, lora_A, lora_B, weight):
+    leaves = [t for t in (x, lora_A, lora_B, weight, b) if t is not None and t.requires_grad]
+    grads = [t.grad for t in leaves]
+    for t in leaves:
         t.grad = None
     from q35lab.ops.lora import lora_linear
 
-    lora_linear(swiglu(x @ w_g, x @ w_u), weight, lora_A, lora_B, 2.0).square().sum().backward()
-    for ours, theirs in zip(grads, [t.grad for t in (x, lora_A, lora_B, weight) if t.requires_grad]):
+    h = swiglu(x @ w_g, x @ w_u)
+    unfused = lora_linear(h, weight, lora_A, lora_B, 2.0, b) if adapter else torch.nn.functional.linear(h, weight, b)
+    unfused.square().sum().backward()
+    for ours, theirs in zip(grads, [t.grad for t in leaves]):
         torch.testing.assert_close(ours, theirs)
+
+
+def test_a_gradient_for_the_down_weight_alone_runs_no_swiglu_backward():
+    """The first node gets W detached, so a gradient asked for W alone does not run its backward:
+    no h gradient ([T, I]), no SwiGLU backward; the gradient is the unfused path's."""
+    from q35lab.ops.lora import lora_linear
+    from q35lab.ops.swiglu import swiglu_down
+
+    x, w_g, w_u, weight, lora_A, lora_B, _ = _down_case(6, 40, 9, 4, torch.float32, True, False)
+    weight.requires_grad_(True)
+    calls = []
+    original = swiglu_module.swiglu_bwd
+    try:
+        swiglu_module.swiglu_bwd = lambda *a, **k: calls.append(1) or original(*a, **k)
+        y = swiglu_down(x @ w_g, x @ w_u, weight, lora_A, lora_B, 2.0)
+        ours = torch.autograd.grad(y.square().sum(), [weight])
+    finally:
+        swiglu_module.swiglu_bwd = original
+    assert not calls
+    theirs = torch.autograd.grad(lora_linear(swiglu(x @ w_g, x @ w_u), weight, lora_A, lora_B, 2.0).square().sum(),
+                                 [weight])
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b)
+
+
+def test_an_in_place_edit_of_the_down_weight_before_the_backward_raises():
+    """W is saved (detached, sharing its version counter): editing it in place between the forward
+    and the backward is caught, as for any autograd op, rather than read silently."""
+    from q35lab.ops.swiglu import swiglu_down
+
+    x, w_g, w_u, weight, lora_A, lora_B, _ = _down_case(6, 40, 9, 4, torch.float32, True, False)
+    y = swiglu_down(x @ w_g, x @ w_u, weight, lora_A, lora_B, 2.0)
+    with torch.no_grad():
+        weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
 
 
 def test_the_down_projections_input_gradient_is_made_after_the_recompute():
     """Under checkpointing, ``dh = dy·W`` ([T, I]) is made by the first node after it unpacks its
     saved tensors, i.e. after the layer's recompute, so it is never alive beside the recompute's
-    ``h`` ([T, I] too): the order of the GEMMs that read the gate weight and the down weight."""
+    ``h`` ([T, I] too): the order of the GEMMs that read the gate weight and the down weight (a
+    second node that made dh in its own backward, before the recompute, would put it second)."""
     from torch.utils.checkpoint import checkpoint
 
     from q35lab.ops.swiglu import swiglu_down

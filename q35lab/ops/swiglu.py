@@ -612,8 +612,9 @@ class SwiGLUDownFunction(torch.autograd.Function):
         else:  # nothing to add: t only carries dy back to this node
             t = torch.zeros((), dtype=dtype, device=h.device).expand(rows, N)
         ctx.set_materialize_grads(False)  # h gets no gradient from the second node: no [T, I] of zeros
-        ctx.save_for_backward(g2d if g_copied else gate, u2d if u_copied else up, lora_A, lora_B, xa)
-        ctx.weight = weight  # a parameter: held, not saved
+        # W is saved as well (a detached view of the parameter: its gradient is the second node's); saving
+        # it keeps autograd's check that nothing edits it in place before the backward
+        ctx.save_for_backward(g2d if g_copied else gate, u2d if u_copied else up, weight, lora_A, lora_B, xa)
         ctx.owned, ctx.scaling, ctx.rounding, ctx.config, ctx.inplace = (g_copied, u_copied), scaling, rounding, config, inplace
         ctx.shape, ctx.bias_dtype = gate.shape, None if bias is None else bias.dtype
         return h, t
@@ -623,14 +624,21 @@ class SwiGLUDownFunction(torch.autograd.Function):
     def backward(ctx, _, dt):
         if dt is None:  # y reached nothing that needs a gradient
             return (None,) * 10
-        gate, up, lora_A, lora_B, xa = ctx.saved_tensors
+        gate, up, weight, lora_A, lora_B, xa = ctx.saved_tensors
         g_counts = _ownership(gate)  # first: nothing below may hold extra references yet
         u_counts = _ownership(up)
         need_dg, need_du, _, need_a, need_bm, need_b = ctx.needs_input_grad[:6]
         dtype = gate.dtype
         dt = dt.to(dtype)
+        dA = dB = db = dg = du = None
+        if need_bm:
+            dB = _scaled_product(dt.t(), xa, ctx.scaling).to(lora_B.dtype)
+        if need_b:
+            db = dt.sum(0).to(ctx.bias_dtype)
+        if not (need_dg or need_du or need_a):  # only B or the bias: no dh, no SwiGLU backward
+            return None, None, None, None, dB, db, None, None, None, None
         dxa = None if lora_A is None else dt @ (lora_B * ctx.scaling).to(dtype)  # [T, r]: s · dy·B
-        dh = _input_grad(dt, ctx.weight, dxa, lora_A)  # h's whole gradient, made after the unpacking above
+        dh = _input_grad(dt, weight, dxa, lora_A)  # h's whole gradient, made after the unpacking above
         g2d, u2d, into_g, into_u = _overwrite_plan(ctx, gate, up, g_counts, u_counts, need_dg, need_du, dh)
         dg, du = swiglu_bwd(dh, g2d, u2d, need_dg=need_dg, need_du=need_du, dg=g2d if into_g else None,
                             du=u2d if into_u else None, h_out=dh if need_a else None, rounding=ctx.rounding,
@@ -641,9 +649,8 @@ class SwiGLUDownFunction(torch.autograd.Function):
                 _bump_version(gate)
             if into_u:
                 _bump_version(up)
-        dA = (dxa.t() @ h).to(lora_A.dtype) if need_a else None
-        dB = _scaled_product(dt.t(), xa, ctx.scaling).to(lora_B.dtype) if need_bm else None
-        db = dt.sum(0).to(ctx.bias_dtype) if need_b else None
+        if need_a:
+            dA = (dxa.t() @ h).to(lora_A.dtype)
         return (dg.detach().view(ctx.shape) if dg is not None else None,
                 du.detach().view(ctx.shape) if du is not None else None,
                 None, dA, dB, db, None, None, None, None)
@@ -754,7 +761,7 @@ def swiglu_packed(gate_up: torch.Tensor, *, rounding: str = "hf", inplace_backwa
 def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor | None = None,
                 lora_B: torch.Tensor | None = None, scaling: float = 1.0, bias: torch.Tensor | None = None, *,
                 rounding: str = "hf", inplace_backward: bool = True) -> torch.Tensor:
-    """An MLP's last two steps as one node: ``down(swiglu(gate, up))`` with ``down`` a frozen
+    """An MLP's last two steps as two nodes: ``down(swiglu(gate, up))`` with ``down`` a frozen
     projection and an optional LoRA adapter without dropout,
     ``y = h·Wᵀ + b + scaling · (h·Aᵀ)·Bᵀ``, ``h = silu(gate)·up``.
 
@@ -781,6 +788,8 @@ def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, lora
     _check_rounding(rounding)
     adapter = lora_A is not None  # the bias joins the adapter's term, or else the base GEMM, as lora_linear adds it
     with torch.autocast(device_type=gate.device.type, enabled=False):
-        h, t = SwiGLUDownFunction.apply(gate, up, weight, lora_A, lora_B, bias if adapter else None, scaling, rounding,
-                                        None, _inplace_mode(inplace_backward))
+        # the first node reads W for h's gradient but returns none for it (the second node's dW): it gets W
+        # detached, so that a gradient wanted for W alone does not run the first node's backward
+        h, t = SwiGLUDownFunction.apply(gate, up, weight.detach(), lora_A, lora_B, bias if adapter else None, scaling,
+                                        rounding, None, _inplace_mode(inplace_backward))
         return DownProjectionFunction.apply(h, t, weight, None if adapter else bias, tuple(gate.shape), adapter)
