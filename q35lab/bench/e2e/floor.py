@@ -189,10 +189,11 @@ def _partial_rotary_factor(config) -> float:
 def step_streaming_bytes(config, T: int) -> int:
     """Streaming bytes of a step: ``b·T·(Σ_layers (2·forward − tail + backward) + 2H + 3H)`` with the
     elements of ``streaming_elements`` (the forward twice: gradient checkpointing recomputes it,
-    but for a dense layer's last residual add, ``tail`` = ``3H``, which follows the down projection
-    the recompute need not reach: ``_mlp_linears``) and the final norm once each way; ``b`` = 2
-    (bf16 activations)."""
-    tail = 0 if getattr(config, "num_experts", 0) else 3 * config.hidden_size
+    but for a layer's last residual add, ``tail`` = ``3H``, which saves nothing and follows the
+    layer's last saved tensor, where the recompute stops; a MoE layer's combine ends with an add
+    that follows it too, left in: at most ``3H`` a layer over) and the final norm once each way;
+    ``b`` = 2 (bf16 activations)."""
+    tail = 3 * config.hidden_size
     per_token = 0
     for kind in config.layer_types:
         forward, backward = streaming_elements(config, kind)
