@@ -628,9 +628,8 @@ class SwiGLUDownFunction(torch.autograd.Function):
         g_counts = _ownership(gate)  # first: nothing below may hold extra references yet
         u_counts = _ownership(up)
         need_dg, need_du, _, need_a, need_bm, need_b = ctx.needs_input_grad[:6]
-        dtype = gate.dtype
-        dt = dt.to(dtype)
-        dA = dB = db = dg = du = None
+        dtype = gate.dtype  # dt's too: the second node casts dy to it
+        dA = dB = db = None
         if need_bm:
             dB = _scaled_product(dt.t(), xa, ctx.scaling).to(lora_B.dtype)
         if need_b:
