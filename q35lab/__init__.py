@@ -12,6 +12,7 @@ from .ops.fused_projections import Projection, fused_lora_projections
 from .ops.linear_cross_entropy import linear_cross_entropy
 from .ops.lora import lora_linear
 from .ops.offset_rms_norm import OffsetRMSNorm, offset_rms_norm
+from .ops.routed_experts import routed_experts
 from .ops.swiglu import swiglu, swiglu_packed
 from .patch import PatchReport, apply_to_qwen3_5, revert
 
@@ -29,6 +30,7 @@ __all__ = [
     "causal_conv1d",
     "swiglu",
     "swiglu_packed",
+    "routed_experts",
     "apply_to_qwen3_5",
     "revert",
     "PatchReport",

@@ -26,6 +26,7 @@ from .ops.linear_cross_entropy import linear_cross_entropy
 from .ops.lora import _compute_dtype, lora_linear
 from .ops.offset_rms_norm import OffsetRMSNorm
 from .ops import swiglu as swiglu_ops
+from .ops.routed_experts import routed_experts
 
 __all__ = ["PatchReport", "apply_to_qwen3_5", "revert"]
 
@@ -650,6 +651,55 @@ def _unpatch_mlp(mlp: torch.nn.Module, report: "PatchReport") -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# The MoE's routed experts (frozen in a LoRA fine-tune: PEFT's "all-linear" wraps nn.Linear, and
+# the experts are 3-D parameters): sorted by expert, two grouped GEMMs, the router's weight folded
+# into one SwiGLU kernel, and a gather and a slot sum in Triton instead of transformers' PyTorch
+# ops on [tokens·k, hidden] tensors (q35lab.ops.routed_experts). Trainable expert weights (a full
+# fine-tune, or PEFT's target_parameters) keep transformers' forward, checked at every call.
+# ----------------------------------------------------------------------------------------------
+EXPERTS_CLASSES = ("Qwen3_5MoeExperts",)
+_EXPERTS = "_q35lab_experts"
+
+
+def _is_routed_experts(module: torch.nn.Module) -> bool:
+    cls = type(module)
+    return (cls.__name__ in EXPERTS_CLASSES and cls.__module__.startswith("transformers.")
+            and all(isinstance(getattr(module, n, None), torch.Tensor) for n in ("gate_up_proj", "down_proj")))
+
+
+def _experts_problem(experts: torch.nn.Module) -> str | None:
+    if type(getattr(experts, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
+        return f"activation {type(getattr(experts, 'act_fn', None)).__name__} (only SiLU is fused here)"
+    layout = {"has_bias": False, "is_transposed": False, "has_gate": True, "has_post_expert_norm": False}
+    if any(getattr(experts, name, default) != default for name, default in layout.items()):
+        return "a weight layout other than Qwen3.5's (bias, transposed, ungated or post-norm experts)"
+    if getattr(experts, "_is_expert_parallel", False):
+        return "expert parallelism (its sentinel expert ids)"
+    if experts.gate_up_proj.requires_grad or experts.down_proj.requires_grad:
+        return "trainable expert weights (the fused path is for frozen experts, as in a LoRA fine-tune)"
+    return None
+
+
+class _ExpertsForward(_Forward):
+    """``routed_experts`` while the expert weights are frozen; transformers' forward otherwise."""
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        experts = self.module
+        if experts.gate_up_proj.requires_grad or experts.down_proj.requires_grad:
+            return type(experts).forward(experts, hidden_states, top_k_index, top_k_weights)
+        return routed_experts(hidden_states, top_k_index, top_k_weights, experts.gate_up_proj, experts.down_proj)
+
+
+def _patch_experts(experts: torch.nn.Module, report: "PatchReport") -> None:
+    _override_forward(experts, _EXPERTS, _ExpertsForward, _experts_problem(experts),
+                      f"{type(experts).__name__} (routed experts)", report)
+
+
+def _unpatch_experts(experts: torch.nn.Module, report: "PatchReport") -> None:
+    _restore_forward(experts, _EXPERTS, f"{type(experts).__name__} (routed experts)", report)
+
+
+# ----------------------------------------------------------------------------------------------
 # The loss: with labels, the causal LM's forward runs with its lm_head swapped for an identity
 # (its "logits" are then the hidden states, and nothing vocabulary-sized is made), and the loss
 # is computed by linear_cross_entropy from the hidden states and lm_head's weight, with the
@@ -952,7 +1002,7 @@ def _record_what_runs(model: torch.nn.Module, report: "PatchReport") -> None:
 
 def _is_qwen3_5_module(module: torch.nn.Module) -> bool:
     cls = type(module)
-    known = OFFSET_RMS_NORM_CLASSES + HF_GATED_NORM_CLASSES + FLCE_CLASSES + MLP_CLASSES
+    known = OFFSET_RMS_NORM_CLASSES + HF_GATED_NORM_CLASSES + FLCE_CLASSES + MLP_CLASSES + EXPERTS_CLASSES
     return (cls.__name__ in known and cls.__module__.startswith("transformers.")) or _is_gated_delta_net(module)
 
 
@@ -989,6 +1039,7 @@ def apply_to_qwen3_5(
     flce: bool = True,
     conv: bool = True,
     swiglu: bool = True,
+    experts: bool = True,
     varlen_attention: bool = True,
     tiled_mlp: int | None = None,
     tiled_gdn: int | None = None,
@@ -1006,6 +1057,11 @@ def apply_to_qwen3_5(
 
     With FSDP2, patch first, then ``fully_shard`` each decoder layer and the root: a model that is
     sharded already is refused (``RuntimeError``), and so is ``revert`` of one.
+
+    ``experts``: a MoE layer's routed experts, while their weights are frozen (a LoRA fine-tune),
+    run as ``q35lab.ops.routed_experts``: grouped GEMMs with the router's weight folded into the
+    SwiGLU kernel and Triton kernels for the dispatch and the combine; trainable experts keep
+    transformers' forward (the report says so).
 
     ``varlen_attention``: full-attention layers that run transformers' SDPA switch to q35lab's
     attention implementation (``q35lab.packed_attention``): a packed row whose boundaries are known
@@ -1035,7 +1091,7 @@ def apply_to_qwen3_5(
     _refuse_sharded(model, "apply_to_qwen3_5")
     tiled_mlp, tiled_gdn = _tile_option("tiled_mlp", tiled_mlp), _tile_option("tiled_gdn", tiled_gdn)
     enabled = {"rms_norm": rms_norm, "gated_norm": gated_norm, "lora": lora, "in_proj": in_proj, "flce": flce,
-               "conv": conv, "swiglu": swiglu, "varlen_attention": varlen_attention}
+               "conv": conv, "swiglu": swiglu, "experts": experts, "varlen_attention": varlen_attention}
     report = PatchReport(qwen3_5=any(map(_is_qwen3_5_module, model.modules())))
     for flag, wanted in enabled.items():
         if not wanted:
@@ -1053,6 +1109,8 @@ def apply_to_qwen3_5(
             _tile_gdn(module, tiled_gdn, report)
         if swiglu and _is_swiglu_mlp(module):
             _patch_mlp(module, report)
+        if experts and _is_routed_experts(module):
+            _patch_experts(module, report)
         if tiled_mlp and _is_swiglu_mlp(module) and long_context.tile_mlp(module, tiled_mlp):  # wraps the above
             report.replaced[f"{type(module).__name__} (tiled, {tiled_mlp} tokens a tile)"] += 1
         if flce and cls.__name__ in FLCE_CLASSES and cls.__module__.startswith("transformers."):
@@ -1123,6 +1181,7 @@ def revert(model: torch.nn.Module) -> PatchReport:
         if long_context.untile_mlp(module):
             report.reverted[f"{type(module).__name__} (tiled)"] += 1
         _unpatch_mlp(module, report)
+        _unpatch_experts(module, report)
         if long_context.untile_gated_delta_net(module):  # before the conv: it wraps the conv's forward
             report.reverted[f"{type(module).__name__} (tiled)"] += 1
         _unpatch_conv(module, report)

@@ -9,7 +9,7 @@ import sys
 import torch
 
 #: What each variant does to the PEFT model: q35lab flags, or a peer's patch.
-ALL_FLAGS = ("rms_norm", "gated_norm", "lora", "in_proj", "flce", "conv", "swiglu", "varlen_attention")
+ALL_FLAGS = ("rms_norm", "gated_norm", "lora", "in_proj", "flce", "conv", "swiglu", "experts", "varlen_attention")
 #: Long-context options on top of every optimization (``q35lab.long_context``): the MLP (and, in
 #: q35lab+long, the GatedDeltaNet) in tiles of this many tokens, and the decoder layers'
 #: checkpoint inputs offloaded to host memory.

@@ -1,0 +1,399 @@
+"""The routed experts of Qwen3.5's MoE layers: each token through its top-k experts' SwiGLU,
+weighted by the router and summed.
+
+transformers' ``Qwen3_5MoeExperts`` computes, for a token ``x_t`` routed to experts
+``e_1 … e_K`` with weights ``w_1 … w_K`` (K = 8 of 256 in the 35B-A3B)::
+
+    out_t = Σ_k w_k · down_{e_k}( silu(gate_{e_k}(x_t)) · up_{e_k}(x_t) )
+
+Its grouped-GEMM path gathers the T·K (token, expert) pairs sorted by expert, runs two grouped
+GEMMs, then weights, un-sorts and sums them with PyTorch ops on ``[T·K, hidden]`` tensors (1 GiB
+each at 32k tokens): in the 35B-A3B's step at 32k those ops (and transformers 5.17's masks for
+expert parallelism, applied even on one GPU) took more device time than every GEMM of the step.
+
+Here the same sum is computed in rows ``s = 0 … S−1`` (S = T·K), sorted by expert::
+
+    xs[s]  = x[token[s]]                     gather_rows        (Triton)
+    gu     = xs · W_gate_upᵀ  per expert     grouped GEMM       (torch._grouped_mm)
+    h[s]   = w[s] · silu(g[s]) · u[s]        weighted_swiglu    (Triton; gu = [g | u])
+    y      = h · W_downᵀ      per expert     grouped GEMM
+    out[t] = Σ_k y[slot[t, k]]               sum_slots          (Triton, fp32 sum, one rounding)
+
+The router's weight moves before the down projection (``w·(h·W) = (w·h)·W``: the projection is
+linear), where a row is ``I`` = 512 wide instead of ``hidden`` = 2048, and it costs nothing
+there: the SwiGLU kernel reads and writes those rows anyway. ``gather_rows`` and ``sum_slots``
+are each other's adjoint, so each one's backward is the other's kernel::
+
+    d x[t]  = Σ_k d xs[slot[t, k]]           (sum_slots: deterministic, no atomics)
+    d y[s]  = d out[token[s]]                (gather_rows)
+    d w[s]  = Σ_j d h[s, j] · silu(g[s, j]) · u[s, j]
+    d g     = w · dh · u · σ(g) · (1 + g · (1 − σ(g)))     d u = w · dh · silu(g)
+
+The expert weights are frozen (a LoRA fine-tune): the grouped GEMMs' backward makes the input
+gradient only, and no node keeps ``xs`` or ``y`` (``[S, hidden]``) for the backward; the SwiGLU
+node keeps ``gu`` (``[S, 2I]``) and the router's weights.
+
+Layering: ``_gather_rows_kernel``, ``_sum_slots_kernel``, ``_weighted_swiglu_*_kernel`` (Triton)
+→ host functions → ``GatherRows`` / ``SumSlots`` / ``WeightedSwiGLU`` / ``FrozenGroupedLinear``
+(autograd) → ``routed_experts`` (functional), checked against ``routed_experts_ref``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._autograd import first_order_only
+from ._checks import check_float_tensor, check_same_device
+from ._compile import opaque_to_compile
+from ._tuned import tuned_config
+
+__all__ = ["Routing", "routing", "routed_experts", "routed_experts_ref", "gather_rows", "sum_slots",
+           "weighted_swiglu", "LaunchConfig", "launch_config"]
+
+
+# --------------------------------------------------------------------------------------------
+# The reference: transformers' loop over experts, written out (any dtype, fp64 for the exact answer).
+# --------------------------------------------------------------------------------------------
+def routed_experts_ref(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                       gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
+    """``Σ_k w_k · down_e(silu(gate_e(x)) · up_e(x))`` expert by expert, as transformers' eager
+    ``Qwen3_5MoeExperts`` computes it (every product rounded to the input dtype)."""
+    out = torch.zeros_like(x)
+    for expert in range(gate_up_proj.shape[0]):
+        token, k = torch.where(top_k_index == expert)
+        if token.numel() == 0:
+            continue
+        gate, up = torch.nn.functional.linear(x[token], gate_up_proj[expert]).chunk(2, dim=-1)
+        y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down_proj[expert])
+        out = out.index_add(0, token, (y * top_k_weights[token, k, None]).to(out.dtype))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Routing: which row holds which (token, expert) pair. Integer bookkeeping, no gradient.
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Routing:
+    """The ``S = T·K`` (token, expert) pairs as rows sorted by expert.
+
+    ``order[s]``: the flat slot ``t·K + k`` row ``s`` holds; ``token[s] = order[s] // K``;
+    ``slots[t, k]``: the row holding token t's k-th expert (``order``'s inverse);
+    ``offsets[e]``: the end of expert e's rows (int32, what ``torch._grouped_mm`` takes)."""
+
+    order: torch.Tensor
+    token: torch.Tensor
+    slots: torch.Tensor
+    offsets: torch.Tensor
+
+
+def routing(top_k_index: torch.Tensor, num_experts: int) -> Routing:
+    """Sort the pairs by expert (stable: a token's rows keep their order within an expert)."""
+    if not isinstance(top_k_index, torch.Tensor) or top_k_index.dim() != 2:
+        raise ValueError(f"top_k_index: expected a [tokens, k] integer tensor, got "
+                         f"{getattr(top_k_index, 'shape', type(top_k_index).__name__)}")
+    if top_k_index.dtype.is_floating_point or top_k_index.dtype == torch.bool:
+        raise TypeError(f"top_k_index: expected an integer dtype, got {top_k_index.dtype}")
+    with torch.no_grad():
+        flat = top_k_index.reshape(-1).long()
+        if flat.numel():  # one host sync: an id out of range would make a silently wrong sum
+            low, high = torch.stack(torch.aminmax(flat)).tolist()
+            if low < 0 or high >= num_experts:
+                raise ValueError(f"top_k_index: expected expert ids in [0, {num_experts}), got ids in "
+                                 f"[{low}, {high}] (expert parallelism's sentinel ids are not supported)")
+        counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(
+            0, flat, torch.ones_like(flat))
+        order = torch.argsort(flat, stable=True)
+        slots = torch.empty_like(order)
+        slots[order] = torch.arange(order.numel(), device=order.device)
+        return Routing(order=order, token=order // top_k_index.shape[1], slots=slots.view(top_k_index.shape),
+                       offsets=counts.cumsum(0).to(torch.int32))
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configuration: one tile size for the three streaming kernels.
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_rows: int  # rows per program (power of two)
+    block_cols: int  # columns per column block (power of two); wider rows loop over blocks
+    warps: int
+
+
+#: Set by a tuning script to try other configurations; None in normal use.
+CONFIG_OVERRIDE: LaunchConfig | None = None
+
+
+def launch_config(width: int) -> LaunchConfig:
+    """The launch for rows of ``width`` (override, tuned entry, or the default)."""
+    return CONFIG_OVERRIDE if CONFIG_OVERRIDE is not None else _default_config(width)
+
+
+@functools.lru_cache(maxsize=64)
+def _default_config(width: int) -> LaunchConfig:
+    """Tiles of 4096 elements (8 KB a tensor in bf16), 8 warps, as for the other streaming
+    kernels; a row wider than 1024 is walked in blocks of 1024 by one program (the SwiGLU's
+    weight gradient is a sum along the row)."""
+    block_cols = min(1024, max(16, triton.next_power_of_2(max(width, 1))))
+    default = LaunchConfig(block_rows=max(1, 4096 // block_cols), block_cols=block_cols, warps=8)
+    return tuned_config("routed_experts", width, default)
+
+
+def _grid(n_rows: int, config: LaunchConfig) -> tuple[int]:
+    return (triton.cdiv(n_rows, config.block_rows),)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels. One program = BLOCK_ROWS rows, walked in column blocks of BLOCK_COLS.
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _rows(n_rows, BLOCK_ROWS: tl.constexpr):
+    """This program's rows ``[BLOCK_ROWS, 1]`` (int64: row·stride passes 2³¹ at S = 262144 ×
+    2048) and their mask."""
+    rows = (tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS))[:, None]
+    return rows, rows < n_rows
+
+
+@triton.jit
+def _gather_rows_kernel(SRC, INDEX, DST, n_rows, width, stride_src, stride_dst,
+                        BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """``DST[r] = SRC[INDEX[r]]``."""
+    rows, row_mask = _rows(n_rows, BLOCK_ROWS)
+    src_rows = tl.load(INDEX + rows, mask=row_mask, other=0).to(tl.int64)
+    for col0 in range(0, width, BLOCK_COLS):
+        cols = col0 + tl.arange(0, BLOCK_COLS)[None, :]
+        mask = row_mask & (cols < width)
+        value = tl.load(SRC + src_rows * stride_src + cols, mask=mask)
+        tl.store(DST + rows * stride_dst + cols, value, mask=mask)
+
+
+@triton.jit
+def _sum_slots_kernel(SRC, SLOTS, DST, n_rows, width, stride_src, stride_dst,
+                      K: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """``DST[t] = Σ_k SRC[SLOTS[t, k]]``, summed in fp32 in the order k = 0 … K−1, rounded once."""
+    rows, row_mask = _rows(n_rows, BLOCK_ROWS)
+    for col0 in range(0, width, BLOCK_COLS):
+        cols = col0 + tl.arange(0, BLOCK_COLS)[None, :]
+        mask = row_mask & (cols < width)
+        total = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+        for k in tl.static_range(K):
+            src_rows = tl.load(SLOTS + rows * K + k, mask=row_mask, other=0).to(tl.int64)
+            total += tl.load(SRC + src_rows * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DST + rows * stride_dst + cols, total.to(DST.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _weighted_swiglu_fwd_kernel(GU, W, H, n_rows, width, stride_gu, stride_h,
+                                BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """``H[s] = W[s] · silu(G[s]) · U[s]`` with ``G = GU[:, :width]``, ``U = GU[:, width:]``, in
+    fp32, rounded once."""
+    rows, row_mask = _rows(n_rows, BLOCK_ROWS)
+    w = tl.load(W + rows, mask=row_mask, other=0.0).to(tl.float32)
+    for col0 in range(0, width, BLOCK_COLS):
+        cols = col0 + tl.arange(0, BLOCK_COLS)[None, :]
+        mask = row_mask & (cols < width)
+        g = tl.load(GU + rows * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(GU + rows * stride_gu + width + cols, mask=mask, other=0.0).to(tl.float32)
+        h = w * (g * tl.sigmoid(g)) * u
+        tl.store(H + rows * stride_h + cols, h.to(H.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _weighted_swiglu_bwd_kernel(DH, GU, W, DGU, DW, n_rows, width, stride_dh, stride_gu, stride_dgu,
+                                BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """``DGU = [dg | du]`` and ``DW[s] = Σ_j dh·silu(g)·u`` (the formulas in the module docstring)."""
+    rows, row_mask = _rows(n_rows, BLOCK_ROWS)
+    w = tl.load(W + rows, mask=row_mask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_ROWS, 1], dtype=tl.float32)
+    for col0 in range(0, width, BLOCK_COLS):
+        cols = col0 + tl.arange(0, BLOCK_COLS)[None, :]
+        mask = row_mask & (cols < width)
+        dh = tl.load(DH + rows * stride_dh + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(GU + rows * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(GU + rows * stride_gu + width + cols, mask=mask, other=0.0).to(tl.float32)
+        s = tl.sigmoid(g)
+        a = g * s
+        dw += tl.sum(dh * a * u, axis=1)[:, None]
+        dg = w * dh * u * s * (1.0 + g * (1.0 - s))
+        tl.store(DGU + rows * stride_dgu + cols, dg.to(DGU.dtype.element_ty), mask=mask)
+        tl.store(DGU + rows * stride_dgu + width + cols, (w * dh * a).to(DGU.dtype.element_ty), mask=mask)
+    tl.store(DW + rows, dw.to(DW.dtype.element_ty), mask=row_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Host functions: allocate, launch. Inputs are contiguous [rows, width] matrices.
+# --------------------------------------------------------------------------------------------
+def _gather(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    out = src.new_empty((index.numel(), src.shape[1]))
+    if out.numel():
+        config = launch_config(src.shape[1])
+        _gather_rows_kernel[_grid(out.shape[0], config)](
+            src, index, out, out.shape[0], src.shape[1], src.stride(0), out.stride(0),
+            BLOCK_ROWS=config.block_rows, BLOCK_COLS=config.block_cols, num_warps=config.warps)
+    return out
+
+
+def _sum(src: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    out = src.new_empty((slots.shape[0], src.shape[1]))
+    if out.numel():
+        config = launch_config(src.shape[1])
+        _sum_slots_kernel[_grid(out.shape[0], config)](
+            src, slots, out, out.shape[0], src.shape[1], src.stride(0), out.stride(0), K=slots.shape[1],
+            BLOCK_ROWS=config.block_rows, BLOCK_COLS=config.block_cols, num_warps=config.warps)
+    return out
+
+
+class GatherRows(torch.autograd.Function):
+    """``x[token]`` (``[S, hidden]`` from ``[T, hidden]``); backward: ``Σ_k`` over each token's slots."""
+
+    @staticmethod
+    def forward(ctx, x, token, slots):
+        ctx.save_for_backward(slots)
+        return _gather(x, token)
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, d_rows):
+        (slots,) = ctx.saved_tensors
+        return _sum(d_rows.contiguous(), slots), None, None
+
+
+class SumSlots(torch.autograd.Function):
+    """``out[t] = Σ_k y[slots[t, k]]`` (``[T, hidden]`` from ``[S, hidden]``); backward: gather."""
+
+    @staticmethod
+    def forward(ctx, y, slots, token):
+        ctx.save_for_backward(token)
+        return _sum(y, slots)
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, d_out):
+        (token,) = ctx.saved_tensors
+        return _gather(d_out.contiguous(), token), None, None
+
+
+class WeightedSwiGLU(torch.autograd.Function):
+    """``w · silu(g) · u`` of ``gu = [g | u]`` (``[S, 2I]``) and ``w`` (``[S]``); keeps ``gu``, ``w``."""
+
+    @staticmethod
+    def forward(ctx, gu, w):
+        width = gu.shape[1] // 2
+        h = gu.new_empty((gu.shape[0], width))
+        if h.numel():
+            config = launch_config(width)
+            _weighted_swiglu_fwd_kernel[_grid(h.shape[0], config)](
+                gu, w, h, h.shape[0], width, gu.stride(0), h.stride(0),
+                BLOCK_ROWS=config.block_rows, BLOCK_COLS=config.block_cols, num_warps=config.warps)
+        ctx.save_for_backward(gu, w)
+        return h
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, dh):
+        gu, w = ctx.saved_tensors
+        dh = dh.contiguous()
+        width = gu.shape[1] // 2
+        dgu, dw = torch.empty_like(gu), torch.empty_like(w)
+        if gu.shape[0]:
+            config = launch_config(width)
+            _weighted_swiglu_bwd_kernel[_grid(gu.shape[0], config)](
+                dh, gu, w, dgu, dw, gu.shape[0], width, dh.stride(0), gu.stride(0), dgu.stride(0),
+                BLOCK_ROWS=config.block_rows, BLOCK_COLS=config.block_cols, num_warps=config.warps)
+        return dgu, dw
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``a[rows of e] · b[e]`` for every expert e (``a``: ``[S, K]``; ``b``: ``[E, K, N]``).
+
+    On a GPU in bf16, PyTorch's grouped GEMM (one launch for all experts, empty ones skipped);
+    otherwise (fp32, fp16, the CPU) one ``mm`` an expert, which reads the offsets on the host."""
+    grouped = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if a.is_cuda and a.dtype == torch.bfloat16 and grouped is not None:
+        return grouped(a, b, offs=offsets)
+    out = a.new_empty((a.shape[0], b.shape[2]))
+    start = 0
+    for expert, end in enumerate(offsets.tolist()):
+        if end > start:
+            torch.mm(a[start:end], b[expert], out=out[start:end])
+        start = end
+    return out
+
+
+class FrozenGroupedLinear(torch.autograd.Function):
+    """``x · W[e]ᵀ`` for each expert's rows, with ``W`` (``[E, N, K]``) frozen: the backward
+    makes ``dx = dy · W[e]`` only, and nothing but ``W`` is kept for it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, offsets):
+        ctx.save_for_backward(weight, offsets)
+        return _grouped_mm(x, weight.transpose(-2, -1), offsets)
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, dy):
+        weight, offsets = ctx.saved_tensors
+        return _grouped_mm(dy.contiguous(), weight, offsets), None, None
+
+
+# --------------------------------------------------------------------------------------------
+# Functional.
+# --------------------------------------------------------------------------------------------
+def gather_rows(x: torch.Tensor, route: Routing) -> torch.Tensor:
+    """Each token's row once per expert it is routed to, in the routing's (expert-sorted) order."""
+    return GatherRows.apply(x, route.token, route.slots)
+
+
+def sum_slots(y: torch.Tensor, route: Routing) -> torch.Tensor:
+    """Each token's rows summed (fp32 accumulation, one rounding): ``gather_rows``' adjoint."""
+    return SumSlots.apply(y, route.slots, route.token)
+
+
+def weighted_swiglu(gate_up: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``weights[:, None] · silu(g) · u`` for ``gate_up = [g | u]``, rounded once."""
+    return WeightedSwiGLU.apply(gate_up, weights)
+
+
+def _check(x, top_k_index, top_k_weights, gate_up_proj, down_proj) -> None:
+    check_float_tensor("hidden_states", x)
+    check_float_tensor("top_k_weights", top_k_weights)
+    check_float_tensor("gate_up_proj", gate_up_proj)
+    check_float_tensor("down_proj", down_proj)
+    check_same_device(hidden_states=x, top_k_index=top_k_index, top_k_weights=top_k_weights,
+                      gate_up_proj=gate_up_proj, down_proj=down_proj)
+    if x.dim() != 2:
+        raise ValueError(f"hidden_states: expected [tokens, hidden], got shape {tuple(x.shape)}")
+    if top_k_weights.shape != top_k_index.shape or top_k_index.dim() != 2 or top_k_index.shape[0] != x.shape[0]:
+        raise ValueError(f"top_k_index and top_k_weights: expected both [{x.shape[0]}, k] (one row a token), got "
+                         f"{tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}")
+    experts, two_i, hidden = gate_up_proj.shape if gate_up_proj.dim() == 3 else (None, None, None)
+    if hidden != x.shape[1] or two_i % 2:
+        raise ValueError(f"gate_up_proj: expected [experts, 2·intermediate, {x.shape[1]}], got {tuple(gate_up_proj.shape)}")
+    if down_proj.shape != (experts, x.shape[1], two_i // 2):
+        raise ValueError(f"down_proj: expected {(experts, x.shape[1], two_i // 2)}, got {tuple(down_proj.shape)}")
+    if gate_up_proj.requires_grad or down_proj.requires_grad:
+        raise ValueError("gate_up_proj, down_proj: expected frozen expert weights (requires_grad=False); "
+                         "routed_experts makes no weight gradient (use transformers' experts to train them)")
+
+
+@opaque_to_compile
+def routed_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                   gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
+    """``Σ_k w_k · down_e(silu(gate_e(x)) · up_e(x))`` for every token of ``x`` (``[T, hidden]``):
+    ``top_k_index``/``top_k_weights`` (``[T, K]``) from the router, frozen ``gate_up_proj``
+    (``[E, 2I, hidden]``, gate rows first) and ``down_proj`` (``[E, hidden, I]``). Returns
+    ``x``'s dtype; computes in the weights' dtype (as transformers casts to it)."""
+    _check(x, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    route = routing(top_k_index, gate_up_proj.shape[0])
+    dtype = gate_up_proj.dtype
+    rows = gather_rows(x.to(dtype).contiguous(), route)
+    weights = top_k_weights.reshape(-1)[route.order].to(dtype).contiguous()
+    gate_up = FrozenGroupedLinear.apply(rows, gate_up_proj, route.offsets)
+    h = weighted_swiglu(gate_up, weights)
+    y = FrozenGroupedLinear.apply(h, down_proj, route.offsets)
+    return sum_slots(y, route).to(x.dtype)
