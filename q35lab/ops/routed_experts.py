@@ -308,13 +308,21 @@ class WeightedSwiGLU(torch.autograd.Function):
         return dgu, dw
 
 
+def _aligned(t: torch.Tensor) -> bool:
+    """Whether ``t``'s address and every stride but its unit one are multiples of 16 bytes, as the
+    grouped GEMM's tensor-memory loads require (Qwen3.5's widths, 2048 and 512, are; odd ones not)."""
+    return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1)
+
+
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``a[rows of e] · b[e]`` for every expert e (``a``: ``[S, K]``; ``b``: ``[E, K, N]``).
 
-    On a GPU in bf16, PyTorch's grouped GEMM (one launch for all experts, empty ones skipped);
-    otherwise (fp32, fp16, the CPU) one ``mm`` an expert, which reads the offsets on the host."""
+    On a GPU in bf16 with 16-byte aligned rows, PyTorch's grouped GEMM (one launch for all experts,
+    empty ones skipped); otherwise (fp32, fp16, odd widths, the CPU) one ``mm`` an expert, which
+    reads the offsets on the host."""
     grouped = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-    if a.is_cuda and a.dtype == torch.bfloat16 and grouped is not None:
+    if (a.is_cuda and a.dtype == torch.bfloat16 and grouped is not None and _aligned(a) and _aligned(b)
+            and b.shape[2] * a.element_size() % 16 == 0):  # the output's rows too
         return grouped(a, b, offs=offsets)
     out = a.new_empty((a.shape[0], b.shape[2]))
     start = 0
