@@ -11,7 +11,7 @@
 #                                          # tests first and lost the machine, with nothing returned)
 #   bash scripts/gpu_session.sh STAGE STAGE...  # several stages in one call, in order
 #   bash scripts/gpu_session.sh ops        # check and sweep the conv, SwiGLU and the delta-rule core
-#   bash scripts/gpu_session.sh ops_new    # in_proj and the loss at 16k/32k: their new rows (z own buffer; chunked PyTorch)
+#   bash scripts/gpu_session.sh ops_new    # in_proj and the loss at every T, one run (notebooks 04/05 read one run a file)
 #   bash scripts/gpu_session.sh step       # q35lab's 9B step at 32k with its breakdown and floor
 #   bash scripts/gpu_session.sh peers      # PEFT + Liger, axolotl's recipe, PEFT at 9B/32k
 #   bash scripts/gpu_session.sh ablation   # PEFT with one optimization at a time, 9B/32k (ablation.csv)
@@ -56,7 +56,8 @@ case $stage in
   ops) STEPS=check,bench OPS="causal_conv1d swiglu delta_rule" BENCH_T="32768 131072" STEP_TIMEOUT=270 \
            bash scripts/gpu_run.sh ;;
   ops_new)  # the rows notebooks 04 and 05 wait for: in_proj's "q35lab (z own buffer)", the loss's "pytorch, chunked"
-    STEPS=check,bench OPS="in_proj linear_cross_entropy" BENCH_T="16384 32768" STEP_TIMEOUT=270 bash scripts/gpu_run.sh ;;
+    # every T: a run of some T only (3163503's) mixes two runs in files the notebooks read as one
+    STEPS=check,bench OPS="in_proj linear_cross_entropy" STEP_TIMEOUT=270 bash scripts/gpu_run.sh ;;
   step) e2e 330 q35lab 32768 --size 9b --steps 2 --breakdown --memory-at-peak ;;  # fla's autotuning, 3 steps,
         # the allocator-recorded one, the profiled one: ~250 s on a fresh machine without .triton-autotune
   peers)  # on a fresh machine without .triton-autotune: axolotl's first step 188 s, PEFT + Liger's > 130 s (38249b1)
