@@ -680,11 +680,13 @@ def test_the_breakdown_groups_device_time_by_category_and_names_the_launching_co
     assert sources["q35lab kernels"] == {"q35lab:swiglu.swiglu": 0.1}
     assert sources["copies/casts"] == {"backward: ToCopyBackward0": 0.15}  # a node whose forward op is unknown
     assert sources["other elementwise"] == {"axolotl:swiglu.swiglu_forward": 0.05, "no Python frame": 0.01}
-    # what each kernel was for, by the outermost aten op that queued it and its inputs' shapes ("": no aten op)
+    # what each kernel was for, by the outermost aten op that queued it and its inputs' shapes; under no aten
+    # op, the kernel's own name (cut to 90 characters)
     calls = {c: json.loads(r["aten_calls"]) for c, r in rows.items()}
     assert calls["copies/casts"] == {"aten::_to_copy [[4096, 16]]": 0.15}  # the cast, not the copy_ inside it
     assert calls["delta rule"] == {"aten::cumsum": 0.08, "aten::flip": 0.07}  # no shapes recorded: the name alone
-    assert calls["other elementwise"] == {"": 0.06} and calls["GEMM"] == {}
+    assert calls["other elementwise"] == {"kernel: _swiglu_fwd_kernel": 0.05, "kernel: Memset (Device)": 0.01}
+    assert calls["GEMM"] == {}
     coarse = {r["category"]: json.loads(r["sources"]) for r in e2e.breakdown(_profile_of_a_step(), threshold=0.1)}
     assert coarse["attention"] == {} and len(coarse["delta rule"]) == 2  # 4% is below the threshold, 15% above
 
@@ -818,3 +820,11 @@ def test_a_recorded_step_failing_with_a_system_error_runs_again_without_the_reco
 
     with pytest.raises(RuntimeError, match="out of memory"):
         with_full_recompute_on_system_error(out_of_memory)
+
+
+def test_a_kernel_under_no_aten_op_is_named_by_its_name_cut_to_90_characters():
+    from q35lab.bench.e2e import kernels
+
+    long_name = "void at::native::vectorized_elementwise_kernel<4, " + "T" * 200 + ">"
+    assert kernels._short(long_name) == long_name[:89] + "…" and len(kernels._short(long_name)) == 90
+    assert kernels._short("_gather_rows_kernel") == "_gather_rows_kernel"

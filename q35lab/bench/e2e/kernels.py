@@ -161,12 +161,18 @@ def aten_call(event) -> str:
     """The outermost aten op around a CPU event, with its inputs' shapes where the profiler recorded
     them (``record_shapes=True``): "aten::contiguous [[32768, 16, 128]]". It says what a kernel
     was for where no Python frame names its source (a copy is launched by ``aten::copy_`` inside
-    ``aten::to``, ``aten::contiguous``, ``aten::repeat_interleave``, ...); "" for no aten op."""
+    ``aten::to``, ``aten::contiguous``, ``aten::repeat_interleave``, ...); "" for no aten op
+    (``_kernels`` then names the kernel itself)."""
     ops = [e for e in _chain(event) if e.name.startswith("aten::")]
     if not ops:
         return ""
     shapes = [list(s) for s in (ops[-1].input_shapes or []) if s]
     return f"{ops[-1].name} {shapes}" if shapes else ops[-1].name
+
+
+def _short(kernel_name: str, width: int = 90) -> str:
+    """A kernel's name cut to ``width`` characters: C++ template arguments make some very long."""
+    return kernel_name if len(kernel_name) <= width else kernel_name[:width - 1] + "…"
 
 
 def _kernels(events):
@@ -180,7 +186,10 @@ def _kernels(events):
     if device:
         for kernel in device:
             op = launchers.launcher(kernel)
-            yield kernel.name, kernel.device_time, *launchers.of_op(op), aten_call(op) if op is not None else ""
+            call = aten_call(op) if op is not None else ""
+            # No aten op around it (a Triton kernel launched from Python, a memset by the allocator):
+            # its own name says more than nothing (the 35B-A3B's profile had 114 ms under "")
+            yield kernel.name, kernel.device_time, *launchers.of_op(op), call or f"kernel: {_short(kernel.name)}"
         return
     for op in cpu:
         if op.name.startswith("aten::") and op.self_cpu_time_total > 0:
@@ -190,8 +199,8 @@ def _kernels(events):
 def breakdown(profiler_events, top: int = 3, threshold: float = 0.01) -> list[dict]:
     """One row per category (``CATEGORIES``, all of them): its device time (ms), its share of
     the step's, and for each category but GEMM above ``threshold`` of the step its ``top``
-    launching sources (``source``) and its ``top`` + 2 aten calls (``aten_call``: "" where the
-    launcher is unknown) with their ms, as JSON (``sources``, ``aten_calls``).
+    launching sources (``source``) and its ``top`` + 2 aten calls (``aten_call``; "kernel: <name>"
+    for a kernel under no aten op) with their ms, as JSON (``sources``, ``aten_calls``).
 
     ``profiler_events``: ``prof.events()`` of a ``torch.profiler.profile(activities=[CPU, CUDA],
     with_stack=True)``; on a CPU, of a CPU-only profile (aten ops stand in for kernels)."""
