@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 import q35lab
 from q35lab import long_context as lc
 from q35lab.numerics import assert_close_by_rule
+from q35lab.ops.swiglu import swiglu_down
 from q35lab.runtime import device
 
 from tiny_models import TEXT, assert_same_loss_and_grads, causal_lm
@@ -136,6 +137,69 @@ def test_model_under_checkpointing_and_bf16_autocast_patched_by_q35lab_computes_
     assert calls == [4, 4, 3] * 4
     # bf16 on both sides; tiles change the GEMMs' row counts, so bf16-sized differences are allowed
     _assert_same(got, expected, rtol=2e-2, atol=2e-3)
+
+
+def test_a_patched_tiled_mlp_recomputes_each_tile_without_its_down_gemm_and_keeps_every_gradient(monkeypatch):
+    """The tile's recompute roots the backward on the down projection's output, which it leaves
+    uncomputed (swiglu_down's frozen GEMM): every tile skips it, and the gradients are the untiled ones."""
+    ids = torch.randint(0, 128, (1, 11), device=device())
+    reference = _model()
+    q35lab.apply_to_qwen3_5(reference)
+    expected = _step(reference, ids)
+    model = _model()
+    q35lab.apply_to_qwen3_5(model)
+    assert lc.tile_mlps(model, 4) == 2
+    verdicts = []
+    real = lc.is_unread
+    monkeypatch.setattr(lc, "is_unread", lambda y, skipped: verdicts.append((len(skipped), real(y, skipped))) or
+                        verdicts[-1][1])
+    got = _step(model, ids)
+    assert verdicts == [(1, True)] * 6  # 2 MLPs × 3 tiles, each one skipped GEMM, none recomputed in full
+    _assert_same(got, expected, rtol=1e-4, atol=1e-5)  # fp32: tiles change only the GEMMs' row counts
+
+
+@pytest.mark.parametrize("reads", ["scaled", "in_place", "slice"])
+def test_a_tile_whose_output_is_not_the_unread_down_projection_is_recomputed_in_full(reads):
+    """An mlp_forward that reads, scales in place or slices swiglu_down's output: the skipped
+    (uncomputed) values must not reach a gradient, so that tile runs again with the GEMM."""
+    torch.manual_seed(1)
+    H, I, r = 24, 40, 4
+    wg, wu, wd = (torch.randn(I, H) / H**0.5, torch.randn(I, H) / H**0.5, torch.randn(H + 3, I) / I**0.5)
+    lora_A = (torch.randn(r, I) / I**0.5).requires_grad_()
+    lora_B = (torch.randn(H + 3, r) * 0.2).requires_grad_()
+    scale = torch.randn(H + 3).requires_grad_()
+    x = torch.randn(2, 9, H, requires_grad=True)
+
+    def mlp(t):
+        y = swiglu_down(t @ wg.t(), t @ wu.t(), wd, lora_A, lora_B, 0.5)
+        if reads == "scaled":
+            return y * scale  # d(scale) reads y's values
+        if reads == "in_place":
+            return y.mul_(scale)  # the same, in place: y's version moves
+        return y[..., :H] + scale[:H]  # a part of y
+
+    def grads(tiled):
+        out = lc.tiled_mlp(mlp, x, 4, params=(lora_A, lora_B, scale)) if tiled else mlp(x)
+        w = torch.randn_like(out, generator=torch.Generator().manual_seed(2))
+        return [out.detach(), *torch.autograd.grad((out * w).sum(), [x, lora_A, lora_B, scale])]
+
+    for a, b in zip(grads(True), grads(False)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_is_unread_accepts_the_skipped_output_or_a_whole_view_of_it_and_nothing_written_or_partial():
+    from q35lab.ops import swiglu as sw
+
+    gate, up = torch.randn(6, 8), torch.randn(6, 8)
+    weight = torch.randn(5, 8)
+    with sw.unread_down_outputs() as skipped:
+        y = swiglu_down(gate.requires_grad_(), up, weight)
+    assert len(skipped) == 1 and sw.is_unread(y, skipped) and sw.is_unread(y.view(30), skipped)
+    assert not sw.is_unread(y[:3], skipped) and not sw.is_unread(y * 1, skipped)
+    y.add_(1)
+    assert not sw.is_unread(y, skipped)
+    z = swiglu_down(gate, up, weight)  # outside the context: computed
+    torch.testing.assert_close(z, (torch.nn.functional.silu(gate) * up) @ weight.t())
 
 
 @pytest.mark.parametrize("forward_autocast", [True, False])

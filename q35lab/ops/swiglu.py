@@ -48,6 +48,7 @@ No module: the MLP that calls it (``down(swiglu(gate(x), up(x)))``) belongs to t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -655,6 +656,42 @@ class SwiGLUDownFunction(torch.autograd.Function):
                 None, dA, dB, db, None, None, None, None)
 
 
+class _UnreadOutputs(threading.local):
+    """Per thread (autograd's backward runs on its own): the list that ``unread_down_outputs``
+    collects skipped outputs into, or None outside it."""
+
+    skipped: list | None = None
+
+
+_UNREAD = _UnreadOutputs()
+
+
+@contextlib.contextmanager
+def unread_down_outputs():
+    """While active on this thread, ``swiglu_down``'s frozen down projection leaves its output
+    uncomputed (``torch.empty``) and records it in the yielded list, with its version.
+
+    For a recompute whose output only roots a backward, ``autograd.grad(y, inputs, dy)``: the down
+    node's backward reads ``dy``, never ``y``, so the largest GEMM of an MLP need not run. A tiled
+    MLP's backward recomputes each tile this way (``q35lab.long_context``), as the untiled MLP's
+    checkpoint recompute stops before that GEMM. The caller must check that what it roots the
+    backward on is one of the skipped outputs, unmodified (``is_unread``), and otherwise recompute
+    without the context: an op that read the uncomputed values would have read garbage."""
+    outer = _UNREAD.skipped
+    _UNREAD.skipped = skipped = []
+    try:
+        yield skipped
+    finally:
+        _UNREAD.skipped = outer
+
+
+def is_unread(y: torch.Tensor, skipped: list) -> bool:
+    """Whether ``y`` is (a view of the whole of) one output ``unread_down_outputs`` skipped, not
+    written since: then nothing computed from its values reaches ``y``."""
+    return any(y.untyped_storage().data_ptr() == out.untyped_storage().data_ptr() and y.numel() == out.numel()
+               and out._version == version for out, version in skipped)
+
+
 class DownProjectionFunction(torch.autograd.Function):
     """The second of ``swiglu_down``'s nodes: ``y = t + h·Wᵀ`` (without an adapter ``y = h·Wᵀ + b``,
     ``t`` a placeholder).
@@ -673,7 +710,10 @@ class DownProjectionFunction(torch.autograd.Function):
         dtype, N = h.dtype, weight.shape[0]
         y = torch.empty(*out_shape[:-1], N, dtype=dtype, device=h.device)  # its own tensor, not a view
         y2d = y.view(h.shape[0], N)
-        if adapter:
+        skipped = _UNREAD.skipped
+        if skipped is not None and not ctx.needs_input_grad[2]:  # nobody reads y (unread_down_outputs)
+            skipped.append((y, y._version))
+        elif adapter:
             torch.addmm(t, h, weight.to(dtype).t(), out=y2d)  # the base GEMM accumulates onto the adapter's term
         else:
             _project_into(y2d, h, weight, bias, None, None)
