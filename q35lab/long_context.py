@@ -882,6 +882,20 @@ def _byte_count(name: str, value: object, expected: str, minimum: int = 0) -> in
     return int(value)
 
 
+def _parameter_storages(model: torch.nn.Module) -> set[int]:
+    """The data pointers of the storages ``model``'s parameters live in. A parameter sharded by
+    FSDP2 (``fully_shard``) is a DTensor, which has no storage of its own: its local shard's is
+    taken (the gathered weight FSDP2 hands the forward is an ``nn.Parameter``, which ``_wanted``
+    refuses by type); a parameter whose storage FSDP2 has freed (size 0, pointer 0) has none."""
+    pointers = set()
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        pointer = local.untyped_storage().data_ptr()
+        if pointer:
+            pointers.add(pointer)
+    return pointers
+
+
 class CheckpointOffloader:
     """Saved-tensor hooks that keep large saved tensors in host memory between forward and backward.
 
@@ -956,7 +970,7 @@ class CheckpointOffloader:
         self._chain_bytes = 0
         model = self._model() if self._model is not None else None
         if model is not None:
-            self._parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            self._parameter_storages = _parameter_storages(model)
 
     @contextlib.contextmanager
     def hooks(self, offload: bool = True):

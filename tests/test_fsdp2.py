@@ -56,7 +56,11 @@ from q35lab.numerics import assert_close_by_rule
 WORLD = 2
 #: apply_to_qwen3_5's flags: every optimization, without the in_proj packing/fusion, without the
 #: fused loss (flce). Every other flag stays at its default (on).
-CONFIGS = {"everything": {}, "in_proj=False": {"in_proj": False}, "flce=False": {"flce": False}}
+CONFIGS = {"everything": {}, "in_proj=False": {"in_proj": False}, "flce=False": {"flce": False},
+           "long context": {"tiled_mlp": 4, "tiled_gdn": 4}}
+#: The config that also offloads every decoder layer's checkpoint input to host memory (min_bytes=0:
+#: the tiny layers' inputs are below the offload's default threshold), before sharding
+LONG = "long context"
 LR = 1.0  # SGD on the LoRA weights: large enough that the second step's loss moves visibly
 SHAPE = (2, 9)  # a batch per rank: 2 sequences of 9 tokens
 DEADLINE_S = 300  # both ranks together take ~20 s; a loaded CI box, several times that
@@ -160,6 +164,7 @@ def _shard_then_patch(seed, ids, fused_calls) -> dict:
 
 def _rank_results(rank: int, seed: int) -> dict:
     import q35lab
+    from q35lab.long_context import offload_decoder_layers
     from q35lab.ops.fused_projections import FusedLoRAProjectionsFunction
 
     fused_calls = []  # one entry a call of the fused projections' autograd node (in_proj, gate/up)
@@ -176,9 +181,11 @@ def _rank_results(rank: int, seed: int) -> dict:
         q35lab.apply_to_qwen3_5(single, **flags)
         sharded = _model(seed)
         report = q35lab.apply_to_qwen3_5(sharded, **flags)  # patch first, then shard
+        offloaders = [offload_decoder_layers(m, 1.0, min_bytes=0) for m in (single, sharded)] if name == LONG else []
         _shard(sharded)
         results["configs"][name] = {"single": _two_steps(single, ids, fused_calls),
                                     "fsdp": _two_steps(sharded, ids, fused_calls),
+                                    "offloaded": [o.stats["offloaded"] for o in offloaders],
                                     "replaced": dict(report.replaced), "report": str(report)}
     results["shard_first"] = _shard_then_patch(seed, ids, fused_calls)  # last: it may leave a step half done
     return results
@@ -356,7 +363,13 @@ def test_fsdp2_shards_the_lora_gradients_and_runs_the_fused_paths(fsdp_results, 
             # one fused node per GatedDeltaNet in_proj (if fused) and per MLP's gate/up, forward and
             # checkpointing's recompute: FSDP's gathered weights did not send them back to PEFT's path
             per_forward = (1 if flags.get("in_proj", True) else 0) + 2
-            assert fsdp["fused_calls"] == single["fused_calls"] == 2 * per_forward, f"rank {rank}, seed {seed}"
+            calls = fsdp["fused_calls"]
+            assert calls == single["fused_calls"] and (config == LONG or calls == 2 * per_forward), \
+                f"rank {rank}, seed {seed}"
+        if config == LONG:  # tiles (in the forward, and again in the backward) and every layer's input offloaded
+            assert calls > 2 * per_forward and any("tiled" in k for k in replaced), result["report"]
+            layers = 2  # the tiny model's decoder layers: one checkpoint input each, per step (x 2 steps)
+            assert result["offloaded"] == [2 * layers, 2 * layers], (result["offloaded"], seed)
 
 
 def test_patching_after_fully_shard_is_refused_with_a_clear_error(fsdp_results):
