@@ -21,9 +21,9 @@
 #   PEERS_AT="27b:peft+liger 35b-a3b:peft" bash scripts/gpu_session.sh peers_at  # those variants at 32k
 #   bash scripts/gpu_session.sh big35      # 35B-A3B: PEFT + Liger at 8k, 32k, 64k; q35lab at 8k and 64k
 #   bash scripts/gpu_session.sh big27      # 27B: q35lab and PEFT + Liger at 8k and 64k
-#   bash scripts/gpu_session.sh packed     # the SFT length mix at 32k: PEFT + Liger packed, q35lab packed
-#                                          # without the varlen attention, q35lab padded
-#   bash scripts/gpu_session.sh padded     # PEFT + Liger padded
+#   bash scripts/gpu_session.sh packed     # the SFT length mix packed at 32k: q35lab, PEFT + Liger, axolotl's
+#                                          # recipe, PEFT, q35lab without the varlen attention (PACKED picks)
+#   bash scripts/gpu_session.sh padded     # the same tokens padded per micro-batch, the four (PADDED picks)
 #   bash scripts/gpu_session.sh current_tf # q35lab, PEFT + Liger and PEFT at 9B/32k on the current transformers
 #                                          # (carry .whl, .whl-tf and .triton-autotune, not .whl-peers; .whl-tf from
 #                                          # scripts/slim_transformers.py): end_to_end_current_transformers.csv
@@ -58,12 +58,13 @@ case $stage in
   ops_new)  # the rows notebooks 04 and 05 wait for: in_proj's "q35lab (z own buffer)", the loss's "pytorch, chunked"
     # every T: a run of some T only (3163503's) mixes two runs in files the notebooks read as one
     STEPS=check,bench OPS="in_proj linear_cross_entropy" STEP_TIMEOUT=270 bash scripts/gpu_run.sh ;;
-  step) e2e 330 q35lab 32768 --size 9b --steps 2 --breakdown --memory-at-peak ;;  # fla's autotuning, 3 steps,
+  step) e2e 330 q35lab 32768 --size 9b --steps 3 --breakdown --memory-at-peak ;;  # fla's autotuning, 3 steps,
         # the allocator-recorded one, the profiled one: ~250 s on a fresh machine without .triton-autotune
   peers)  # on a fresh machine without .triton-autotune: axolotl's first step 188 s, PEFT + Liger's > 130 s (38249b1)
-    e2e 200 peft+liger 32768 --size 9b --steps 2
-    e2e 260 peft+liger+axolotl 32768 --size 9b --steps 2 --memory-at-peak  # what it keeps less of than q35lab
-    e2e 140 peft 32768 --size 9b --steps 2
+    # 3 measured steps each: the median of 2 is their mean, and one slow step moved 3163503's q35lab row by 5%
+    e2e 200 peft+liger 32768 --size 9b --steps 3
+    e2e 260 peft+liger+axolotl 32768 --size 9b --steps 3 --memory-at-peak  # what it keeps less of than q35lab
+    e2e 140 peft 32768 --size 9b --steps 3
     ;;
   ablation)  # ablation.csv: PEFT with one optimization at a time, beside PEFT, PEFT + Liger and all of q35lab
             # in the same run; one variant a run, so that a call cut at its limit keeps the rows before
@@ -79,13 +80,13 @@ case $stage in
   floors)  # the 27B's and the 35B-A3B's step at 32k with their profile and floor (9B's: the step stage), each beside
            # the peers in the same call (FLOOR_PEERS, in order: the call's limit cuts the last first)
     for size in ${FLOORS:-27b 35b-a3b}; do  # FLOORS="35b-a3b": one size a call where the call is short
-      e2e 300 q35lab 32768 --size $size --steps 2 --breakdown
-      for v in ${FLOOR_PEERS-peft+liger}; do e2e 300 $v 32768 --size $size --steps 2; done
+      e2e 300 q35lab 32768 --size $size --steps 3 --breakdown
+      for v in ${FLOOR_PEERS-peft+liger}; do e2e 300 $v 32768 --size $size --steps 3; done
     done
     ;;
   peers_at)  # PEERS_AT="SIZE:VARIANT ...": each at 32k, in order (the call's limit cuts the last first)
     [[ -n ${PEERS_AT:-} ]] || { echo "peers_at: set PEERS_AT (SIZE:VARIANT pairs)"; exit 2; }
-    for pair in $PEERS_AT; do e2e 300 "${pair#*:}" 32768 --size "${pair%%:*}" --steps 2; done
+    for pair in $PEERS_AT; do e2e 300 "${pair#*:}" 32768 --size "${pair%%:*}" --steps 3; done
     ;;
   big35)  # 32k measured at 358bb36: q35lab; PEFT + Liger was still compiling Liger's MoE kernels at 130 s (c2f958e)
     e2e 330 peft+liger "32768 8192 65536" --size 35b-a3b --steps 2  # the missing 32k first
@@ -94,13 +95,18 @@ case $stage in
   big27)  # 32k measured at 358bb36 (both); fla's tuning for these shapes is in .triton-autotune since then
     for v in ${BIG27:-q35lab peft+liger}; do e2e 240 $v "8192 65536" --size 27b --steps 2; done
     ;;
-  packed)  # q35lab's packed row ran at c2f958e (3.39 s). A padded step of the mix is 4-5 micro-batches of
-           # ~100-130k tokens with padding (3-4x a 32k step's work), ~15 s: the padded rows ran past 90 s there
-    e2e 150 peft+liger 32768 --size 9b --steps 2 --batch packed
-    e2e 120 q35lab-varlen_attention 32768 --size 9b --steps 2 --batch packed  # SDPA's dense mask instead
-    e2e 240 q35lab 32768 --size 9b --steps 2 --batch padded
+  packed)  # the SFT length mix packed into one 32k row, every variant in one call (PACKED="..." picks some);
+           # q35lab-varlen_attention: SDPA's dense block-causal mask instead of varlen flash attention
+    for v in ${PACKED:-q35lab peft+liger peft+liger+axolotl peft q35lab-varlen_attention}; do
+      e2e 150 $v 32768 --size 9b --steps 2 --batch packed
+    done
     ;;
-  padded) e2e 300 peft+liger 32768 --size 9b --steps 2 --batch padded ;;
+  padded)  # the same tokens padded to the longest sequence of each micro-batch: 4-5 micro-batches of
+           # ~100-130k tokens with padding, ~15 s a step (PADDED="..." picks some; each its own limit)
+    for v in ${PADDED:-q35lab peft+liger peft+liger+axolotl peft}; do
+      e2e 240 $v 32768 --size 9b --steps 2 --batch padded
+    done
+    ;;
   current_tf)  # the image's transformers 5.17 repeats q and k to 32 heads before fla (the step's largest copy) and
                # masks expert-parallel sentinel rows on one GPU (15% of the MoE step); the current release does
                # neither. New fla tuning keys (16 heads), so the first run gets room to tune. CURRENT_TF_SIZES picks
@@ -123,7 +129,7 @@ case $stage in
     # their own CSV: a plain q35lab row in end_to_end.csv would replace the headline's, measured beside the peers
     # LONG_COST="..." runs only those (keep q35lab first: the options' baseline in the same call)
     for v in ${LONG_COST:-q35lab q35lab+tiled q35lab+offload q35lab+long}; do
-      E2E_OUT=long_context.csv e2e 150 $v 32768 --size 9b --steps 2
+      E2E_OUT=long_context.csv e2e 180 $v 32768 --size 9b --steps 3
     done
     ;;
   long)  # a step at 512k is predicted at ~4 min (attention alone ~190 s): one T fits a call
