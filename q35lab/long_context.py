@@ -256,15 +256,20 @@ def _recompute_tile(tiles: _Tiles, piece: torch.Tensor, carry_in, span: tuple[in
     ``y`` only roots the tile's backward (``autograd.grad(y, ..., dy)``), and a q35lab-patched MLP
     makes it with ``swiglu_down``, whose down GEMM's backward needs ``dy`` alone: that GEMM is left
     uncomputed (``unread_down_outputs``), as the untiled layer's checkpoint recompute stops before
-    it. 2·T·I·H FLOPs a layer saved (106 TFLOP a 9B step at 32k). If ``y`` is anything but that
-    GEMM's unmodified output, something may have read the uncomputed values: the tile runs again
-    in full (its RNG state restored). A scan's carry is read by the next tile: computed as it is."""
+    it. 2·T·I·H FLOPs a layer saved (106 TFLOP a 9B step at 32k). If ``y`` is anything but the
+    unmodified output of the one GEMM skipped, something may have read the uncomputed values: the
+    tile runs again in full (its RNG state restored), its forward twice. A scan's carry is read by
+    the next tile: computed as it is."""
     if tiles.scan:
         return tiles.step(piece, carry_in, span)
     with unread_down_outputs() as skipped:
         y, carry = tiles.step(piece, carry_in, span)
-    if not skipped or is_unread(y, skipped):
+    # exactly one skipped GEMM, and it is the output: with two (two MLPs chained), the first's
+    # uncomputed output would have fed the second
+    if not skipped or (len(skipped) == 1 and is_unread(y, skipped)):
         return y, carry
+    del y, carry  # the first pass's graph holds its saved tensors: not alive beside the second's
+    skipped.clear()
     if tiles.preserve_rng_state:
         tiles.restore_rng(index)
     return tiles.step(piece, carry_in, span)
@@ -395,9 +400,11 @@ def tiled_mlp(mlp_forward, x: torch.Tensor, tile_tokens: int, *, params=None,
     grad), the layer's recompute 0 (it stops at the saving of ``x``, which is made the layer's
     last saved tensor on purpose, see ``_StashInput``), backward 1 forward + 1 backward per tile,
     the forward without a q35lab-patched MLP's down GEMM (``_recompute_tile``) — the same MLP FLOPs
-    as the untiled MLP under checkpointing, whose recompute stops before that GEMM. An MLP that is
-    not q35lab's ``swiglu_down`` (or has dropout on its down adapter) recomputes it: one down
-    projection more a tile.
+    as the untiled MLP under checkpointing, whose recompute stops before that GEMM. An MLP whose
+    down projection is not ``swiglu_down``'s frozen GEMM recomputes it, one down projection more a
+    tile: PEFT's or transformers' own forward (``lora=False``), a trainable down weight, dropout on
+    the down adapter, a hook on ``down_proj``, a compute dtype other than the weights' under
+    autocast. A callable that reads the skipped output runs each tile's forward twice in backward.
     With early stop disabled (``torch.utils.checkpoint.set_checkpoint_early_stop(False)``) the
     recompute runs the tiles' forward too: correct, one MLP forward more. Without outer
     checkpointing the tiling costs one MLP forward more than the untiled MLP.
@@ -888,11 +895,12 @@ def _parameter_storages(model: torch.nn.Module) -> set[int]:
     taken (the gathered weight FSDP2 hands the forward is an ``nn.Parameter``, which ``_wanted``
     refuses by type); a parameter whose storage FSDP2 has freed (size 0, pointer 0) has none."""
     pointers = set()
-    for p in model.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        pointer = local.untyped_storage().data_ptr()
-        if pointer:
-            pointers.add(pointer)
+    with torch.no_grad():  # to_local of a DTensor that requires grad would record an autograd node
+        for p in model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            pointer = local.untyped_storage().data_ptr()
+            if pointer:
+                pointers.add(pointer)
     return pointers
 
 

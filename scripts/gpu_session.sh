@@ -127,8 +127,9 @@ case $stage in
     ;;
   long_cost)  # what each long-context option costs at 32k, beside q35lab without them in the same call
     # their own CSV: a plain q35lab row in end_to_end.csv would replace the headline's, measured beside the peers
-    # LONG_COST="..." runs only those (keep q35lab first: the options' baseline in the same call)
-    for v in ${LONG_COST:-q35lab q35lab+tiled q35lab+offload q35lab+long}; do
+    # LONG_COST="..." runs only those options, after q35lab (their baseline in the same call)
+    costs=${LONG_COST:-q35lab+tiled q35lab+offload q35lab+long}
+    for v in q35lab $(printf '%s\n' $costs | grep -vx q35lab); do  # q35lab first, once, whatever LONG_COST lists
       E2E_OUT=long_context.csv e2e 180 $v 32768 --size 9b --steps 3
     done
     ;;

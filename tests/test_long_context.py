@@ -158,7 +158,7 @@ def test_a_patched_tiled_mlp_recomputes_each_tile_without_its_down_gemm_and_keep
     _assert_same(got, expected, rtol=1e-4, atol=1e-5)  # fp32: tiles change only the GEMMs' row counts
 
 
-@pytest.mark.parametrize("reads", ["scaled", "in_place", "slice"])
+@pytest.mark.parametrize("reads", ["scaled", "in_place", "slice", "chained"])
 def test_a_tile_whose_output_is_not_the_unread_down_projection_is_recomputed_in_full(reads):
     """An mlp_forward that reads, scales in place or slices swiglu_down's output: the skipped
     (uncomputed) values must not reach a gradient, so that tile runs again with the GEMM."""
@@ -172,6 +172,9 @@ def test_a_tile_whose_output_is_not_the_unread_down_projection_is_recomputed_in_
 
     def mlp(t):
         y = swiglu_down(t @ wg.t(), t @ wu.t(), wd, lora_A, lora_B, 0.5)
+        if reads == "chained":  # a second MLP on the first's output: its own output unmodified, its input read
+            z = y[..., :H] * scale[:H]
+            return swiglu_down(z @ wg.t(), z @ wu.t(), wd, lora_A, lora_B, 0.5)
         if reads == "scaled":
             return y * scale  # d(scale) reads y's values
         if reads == "in_place":

@@ -687,7 +687,9 @@ def unread_down_outputs():
 
 def is_unread(y: torch.Tensor, skipped: list) -> bool:
     """Whether ``y`` is (a view of the whole of) one output ``unread_down_outputs`` skipped, not
-    written since: then nothing computed from its values reaches ``y``."""
+    written since (its version counter: a write through ``.data`` or by a kernel that does not bump
+    it goes unseen). With one output skipped, nothing computed from its values then reaches ``y``;
+    with several, one could have fed another (the caller counts them)."""
     return any(y.untyped_storage().data_ptr() == out.untyped_storage().data_ptr() and y.numel() == out.numel()
                and out._version == version for out, version in skipped)
 
