@@ -70,6 +70,9 @@ step() {  # step NAME COMMAND...: run with a time limit (TIMEOUT_<name> or STEP_
   local name=$1; shift
   local limit="TIMEOUT_${name%%_*}"
   timeout "${!limit:-${STEP_TIMEOUT:-590}}" "$@" 2>&1 | tee "$LOGS/$name.log" | grep -v '%|' | tail -n 45
+  # an e2e parent killed at the limit leaves its finished children's rows unmerged (2026-12-03: a
+  # whole q35lab+long row): merge them before packing
+  [[ $name != e2e_* ]] || python3 -m q35lab.e2e --merge-leftovers --out "$e2e_csv" >/dev/null 2>&1 || true
   mkdir -p "$TUNED" && [[ -d $CACHE ]] && (cd "$CACHE" && find . -name '*.autotune.json' -exec cp --parents {} "$TUNED" \;)
   # written aside and renamed: a call cut at its limit mid-pack still returns the last whole one
   (cd "$ROOT" && tar czf "$OUT/partial.tgz" data notebooks/*.ipynb $(ls q35lab/ops/tuned.json 2>/dev/null) \
@@ -90,9 +93,10 @@ fi
 [[ $STEPS == *layer* ]] && step layer python3 -m q35lab.e2e --what layer --layers 1 \
     --variants ${LAYER_VARIANTS:-peft q35lab} --T ${LAYER_T:-8192 32768} --out data/bench/$gpu/gdn_layer.csv
 e2e_log=e2e_$(echo "${E2E_VARIANTS:-} ${E2E_T:-} ${E2E_ARGS:-}" | tr -cs 'a-zA-Z0-9.+:' '-')  # one log a run
+e2e_csv=data/bench/$gpu/${E2E_OUT:-end_to_end.csv}
 [[ $STEPS == *e2e* ]] && step "$e2e_log" python3 -m q35lab.e2e \
     --variants ${E2E_VARIANTS:-peft peft+liger q35lab} --T ${E2E_T:-8192 32768} ${E2E_FIT:+--fit} ${E2E_ARGS:-} \
-    --out data/bench/$gpu/${E2E_OUT:-end_to_end.csv}
+    --out "$e2e_csv"
 [[ $STEPS == *check* ]] && step check env PYTHONPATH=$WITH_FLA python3 -m q35lab check $OPS
 [[ $STEPS == *bench* ]] && step bench env PYTHONPATH=$WITH_FLA python3 -m q35lab bench $OPS ${BENCH_T:+--T $BENCH_T} "$@"
 [[ $STEPS == *bench* ]] && step plots python3 -m q35lab plots

@@ -828,3 +828,22 @@ def test_a_kernel_under_no_aten_op_is_named_by_its_name_cut_to_90_characters():
     long_name = "void at::native::vectorized_elementwise_kernel<4, " + "T" * 200 + ">"
     assert kernels._short(long_name) == long_name[:89] + "…" and len(kernels._short(long_name)) == 90
     assert kernels._short("_gather_rows_kernel") == "_gather_rows_kernel"
+
+
+def test_merge_leftovers_keeps_the_rows_a_killed_parent_left_in_its_jsonl(tmp_path):
+    """A child writes its row to the .jsonl beside --out and the parent merges at the end; a parent
+    killed by a time limit in between leaves the row there. --merge-leftovers puts it in the CSV
+    (replacing that variant's old row of the same T) and removes the file; with none, nothing changes."""
+    import pandas as pd
+
+    out = tmp_path / "end_to_end.csv"
+    key = {"T": 32768, "size": "9b", "layers": 32}
+    pd.DataFrame([{"variant": "q35lab", **key, "status": "ok", "step_ms": 3700.0},
+                  {"variant": "peft", **key, "status": "ok", "step_ms": 5700.0}]).to_csv(out, index=False)
+    lines = out.with_suffix(".jsonl")
+    lines.write_text(json.dumps({"variant": "q35lab", **key, "status": "ok", "step_ms": 3561.5}) + "\n")
+    assert e2e.main(["--merge-leftovers", "--out", str(out)]) == 0
+    rows = pd.read_csv(out).set_index("variant")
+    assert rows.step_ms.to_dict() == {"peft": 5700.0, "q35lab": 3561.5} and not lines.exists()
+    before = out.read_text()
+    assert e2e.main(["--merge-leftovers", "--out", str(out)]) == 0 and out.read_text() == before

@@ -188,6 +188,9 @@ def _parser() -> argparse.ArgumentParser:
                         "the step's floor, in step_breakdown.csv next to --out (steps only)")
     parser.add_argument("--out", required=True, help="CSV to write; rows of a variant and T measured again replace theirs, others are kept "
                         "(a .jsonl of the same name collects the rows)")
+    parser.add_argument("--merge-leftovers", action="store_true",
+                        help="only merge the rows that children wrote beside --out (its .jsonl, and the breakdown's) "
+                        "and that a parent killed by a time limit left unmerged, then stop")
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # the child process's one variant
     return parser
 
@@ -200,6 +203,9 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     lines, breakdown_lines = out.with_suffix(".jsonl"), _breakdown_lines(out)
+    if args.merge_leftovers:  # a child's row is whole once written: keep what a killed run measured
+        _merge_all(lines, breakdown_lines, out)
+        return 0
     lines.unlink(missing_ok=True)
     breakdown_lines.unlink(missing_ok=True)
     for variant in args.variants:
@@ -217,10 +223,17 @@ def main(argv=None) -> int:
                 for T in args.T:
                     f.write(json.dumps({**_row_key(args), "variant": variant, "T": T, "status": "error",
                                         "note": "the process failed"}) + "\n")
-    _merge_lines(lines, out, last_line_wins=True)
+    _merge_all(lines, breakdown_lines, out)
+    return 0
+
+
+def _merge_all(lines: Path, breakdown_lines: Path, out: Path) -> None:
+    """The children's rows into ``out`` (a later row of a variant and T replacing an earlier),
+    their breakdown rows into ``step_breakdown.csv`` beside it."""
+    if lines.exists():
+        _merge_lines(lines, out, last_line_wins=True)
     if breakdown_lines.exists():
         _merge_lines(breakdown_lines, out.with_name("step_breakdown.csv"))
-    return 0
 
 
 def _row_key(args, layers: int | None = None) -> dict:
