@@ -539,7 +539,8 @@ class _GatedDeltaNetTile:
         q, k, v      = split(conv1d(rows)[drop the first len(conv rows)])        (silu; q35lab's when patched)
         beta, g      = sigmoid(b), −exp(A_log) · softplus(a + dt_bias)           (fp32 g)
         o, S'        = core(q, k, v, g, beta, initial_state=S, output_final_state=True,
-                            use_qk_l2norm_in_kernel=True)    (q, k repeated to Hv heads where the forward does)
+                            use_qk_l2norm_in_kernel=True)    (q, k repeated by num_v_heads // num_k_heads,
+                                                               as the forward would)
         y            = out_proj(norm(o, z))
 
     and hands on ``(last K−1 rows of [conv rows | qkv], S')``. The first tile has no carry (the

@@ -570,6 +570,50 @@ def _unpatch_conv(gdn: torch.nn.Module, report: "PatchReport") -> None:
         _restore_forward(gdn, _CONV, f"{type(gdn).__name__} causal conv1d", report)
 
 
+_KEY_HEADS = "_q35lab_key_heads"  # attribute of a GatedDeltaNet whose q/k head repeat q35lab skips: its num_k_heads
+_FLA_CORE = "flash-linear-attention's chunk_gated_delta_rule"
+
+
+def _key_head_repeat_problem(gdn: torch.nn.Module) -> str | None:
+    """Why the GatedDeltaNet's forward keeps repeating q and k to the value heads, or None.
+
+    transformers before 5.2x repeats them (``repeat_interleave``, a copy of both, and a sum in the
+    backward: 54 ms of a 9B step at 32k) before any core; flash-linear-attention's kernels take
+    fewer key heads than value heads and read key head ``i // (Hv/Hk)`` for value head ``i``,
+    which is ``repeat_interleave``'s own order (fla 0.6: ``chunk_delta_h.py``, ``wy_fast.py``,
+    ``fused_recurrent.py``). transformers' PyTorch core broadcasts the heads and needs the repeat."""
+    if gdn.num_v_heads == gdn.num_k_heads:
+        return "as many key heads as value heads"
+    if not long_context._forward_repeats_key_heads(type(gdn)):
+        return "this transformers hands the core the key heads as they are"
+    if _delta_rule_core(gdn) != _FLA_CORE:
+        return "the core is not flash-linear-attention's, which alone reads grouped key heads"
+    return None
+
+
+def _skip_key_head_repeat(gdn: torch.nn.Module, report: "PatchReport") -> None:
+    """The forward repeats by ``num_v_heads // num_k_heads``: with ``num_k_heads`` set to the value
+    heads on this module, the factor is 1 and q, k reach fla's core as the projections made them.
+    The forward reads ``num_k_heads`` for nothing else (its dimensions are set at construction)."""
+    if _marked(gdn, _KEY_HEADS) is not None:
+        return
+    problem = _key_head_repeat_problem(gdn)
+    if problem is None:
+        object.__setattr__(gdn, _KEY_HEADS, gdn.num_k_heads)
+        gdn.num_k_heads = gdn.num_v_heads
+        report.replaced[f"{type(gdn).__name__} q/k head repeat (skipped: fla's core groups the key heads)"] += 1
+    elif long_context._forward_repeats_key_heads(type(gdn)) and gdn.num_v_heads != gdn.num_k_heads:
+        report.left_alone[f"{type(gdn).__name__} q/k head repeat: {problem}"] += 1
+
+
+def _unskip_key_head_repeat(gdn: torch.nn.Module, report: "PatchReport") -> None:
+    heads = _marked(gdn, _KEY_HEADS)
+    if heads is not None:
+        gdn.num_k_heads = heads
+        object.__delattr__(gdn, _KEY_HEADS)
+        report.reverted[f"{type(gdn).__name__} q/k head repeat"] += 1
+
+
 # ----------------------------------------------------------------------------------------------
 # The MLP, down(silu(gate(x)) · up(x)): gate and up share their input, so with frozen bases they
 # become one fused node like the in_proj (their weights packed into one buffer), and the SwiGLU
@@ -871,7 +915,7 @@ def _delta_rule_core(gdn: torch.nn.Module) -> str:
     if hopper and not _triton_at_least((3, 7, 1)):
         return ("flash-linear-attention's, whose backward refuses Hopper with this Triton (< 3.7.1, fla#640): "
                 "install Triton 3.7.1 (or torch >= 2.12.1)")
-    return "flash-linear-attention's chunk_gated_delta_rule"
+    return _FLA_CORE
 
 
 def _causal_conv(gdn: torch.nn.Module) -> str:
@@ -1058,6 +1102,11 @@ def apply_to_qwen3_5(
     With FSDP2, patch first, then ``fully_shard`` each decoder layer and the root: a model that is
     sharded already is refused (``RuntimeError``), and so is ``revert`` of one.
 
+    ``conv``: the GatedDeltaNet's causal convolution runs as ``q35lab.causal_conv1d`` (unless the
+    causal-conv1d package runs it); and where its forward repeats q and k to the value heads before
+    flash-linear-attention's core (transformers before 5.2x), the repeat is skipped: fla's kernels
+    read the grouped key heads themselves (the report says which).
+
     ``experts``: a MoE layer's routed experts, while their weights are frozen (a LoRA fine-tune),
     run as ``q35lab.ops.routed_experts``: grouped GEMMs with the router's weight folded into the
     SwiGLU kernel and Triton kernels for the dispatch and the combine; trainable experts keep
@@ -1105,6 +1154,7 @@ def apply_to_qwen3_5(
             _fuse_in_proj(module, report)
         if conv and _is_gated_delta_net(module):
             _patch_conv(module, report)
+            _skip_key_head_repeat(module, report)
         if tiled_gdn and _is_gated_delta_net(module):  # wraps the conv's forward, and calls the fused in_proj
             _tile_gdn(module, tiled_gdn, report)
         if swiglu and _is_swiglu_mlp(module):
@@ -1185,6 +1235,7 @@ def revert(model: torch.nn.Module) -> PatchReport:
         if long_context.untile_gated_delta_net(module):  # before the conv: it wraps the conv's forward
             report.reverted[f"{type(module).__name__} (tiled)"] += 1
         _unpatch_conv(module, report)
+        _unskip_key_head_repeat(module, report)
     for parent, name, child in _named_children_everywhere(model):
         _unroute_lora(child, report)
         _unfuse_in_proj(child, report)
