@@ -90,11 +90,12 @@ def _switched_attention(cls: str = "Qwen3_5Attention") -> dict:
 def test_multimodal_model_is_patched():
     model = multimodal()
     n_norms = sum(type(m).__name__ == "Qwen3_5RMSNorm" for m in model.modules())
+    skipped = _skipped_key_repeat(model)
     report = q35lab.apply_to_qwen3_5(model)
     assert report.replaced == {"Qwen3_5RMSNorm": n_norms, "Qwen3_5RMSNormGated": 1, "Qwen3_5MLP (SwiGLU)": 2,
                                "Qwen3_5GatedDeltaNet causal conv1d": 1,
                                "Qwen3_5ForConditionalGeneration loss (fused linear cross entropy)": 1,
-                               **_switched_attention()} and n_norms >= 7
+                               **_switched_attention(), **skipped} and n_norms >= 7
     ids = torch.randint(0, 100, (1, 6), device=device())
     assert torch.isfinite(model(input_ids=ids).logits).all()
 
@@ -127,6 +128,16 @@ def test_flags_of_later_optimizations_are_reported_not_applied():
     assert only_gated.replaced == {"Qwen3_5RMSNormGated": 1}
 
 
+def _skipped_key_repeat(model, reverted: bool = False) -> dict:
+    """The report's line for the GatedDeltaNets whose q/k head repeat this machine skips (fla as
+    the core on a transformers whose forward repeats: the H200's), asked before patching."""
+    from q35lab import patch
+
+    n = sum(patch._key_head_repeat_problem(m) is None for m in model.modules() if patch._is_gated_delta_net(m))
+    label = "Qwen3_5GatedDeltaNet q/k head repeat" + ("" if reverted else " (skipped: fla's core groups the key heads)")
+    return {label: n} if n else {}
+
+
 def test_bad_model_argument():
     with pytest.raises(TypeError, match="model: expected a torch.nn.Module"):
         q35lab.apply_to_qwen3_5("Qwen/Qwen3.5-9B")
@@ -141,18 +152,20 @@ def test_peft_wrapped_model():
     before = _loss_and_grads(peft_model, ids)
     assert all(not p.requires_grad for n, p in peft_model.named_parameters() if "norm" in n)
 
+    skipped, unskipped = _skipped_key_repeat(peft_model), _skipped_key_repeat(peft_model, reverted=True)
     report = q35lab.apply_to_qwen3_5(peft_model, flce=False)  # logits are compared: keep them
     # q_proj, v_proj, out_proj routed; the GatedDeltaNet's four (frozen, no adapter) in_proj fused
     patched = {"Qwen3_5RMSNorm": 7, "Qwen3_5RMSNormGated": 1, "PEFT lora.Linear (forward)": 3,
                "Qwen3_5GatedDeltaNet in_proj (4 projections, 1 node)": 1, "Qwen3_5MLP (SwiGLU)": 2,
                "Qwen3_5MLP gate/up (2 projections, 1 node)": 2, "Qwen3_5GatedDeltaNet causal conv1d": 1,
-               **_switched_attention()}
+               **_switched_attention(), **skipped}
     assert report.replaced == patched
     _assert_same_step(before, _loss_and_grads(peft_model, ids))
     assert q35lab.revert(peft_model).reverted == {"Qwen3_5RMSNorm": 7, "Qwen3_5RMSNormGated": 1,
                                                   "PEFT lora.Linear (forward)": 3, "GatedDeltaNet in_proj": 1,
                                                   "Qwen3_5MLP (SwiGLU)": 2, "Qwen3_5GatedDeltaNet causal conv1d": 1,
-                                                  **{"Qwen3_5Attention (SDPA)": n for n in _switched_attention().values()}}
+                                                  **{"Qwen3_5Attention (SDPA)": n for n in _switched_attention().values()},
+                                                  **unskipped}
     _assert_same_step(before, _loss_and_grads(peft_model, ids))
 
 
@@ -469,15 +482,16 @@ def test_conv_same_loss_and_gradients_through_the_kernel_and_an_unpatched_model_
     model, other = causal_lm(), causal_lm()
     ids = torch.randint(0, 128, (2, 9), device=device())
     before, other_before = _loss_and_grads(model, ids), _loss_and_grads(other, ids)
+    skipped, unskipped = _skipped_key_repeat(model), _skipped_key_repeat(model, reverted=True)
     report = q35lab.apply_to_qwen3_5(model, rms_norm=False, gated_norm=False, flce=False, swiglu=False, in_proj=False, varlen_attention=False)
-    assert report.replaced == {"Qwen3_5GatedDeltaNet causal conv1d": 1}
+    assert report.replaced == {"Qwen3_5GatedDeltaNet causal conv1d": 1, **skipped}
     assert report.runs["causal conv1d"].startswith("q35lab's")
     calls = count_forward_calls(monkeypatch, CausalConv1dFunction)
     _assert_same_step(before, _loss_and_grads(model, ids))
     assert len(calls) == 1
     _assert_same_step(other_before, _loss_and_grads(other, ids))  # same process, not patched
     assert len(calls) == 1, "an unpatched model ran q35lab's convolution"
-    assert q35lab.revert(model).reverted == {"Qwen3_5GatedDeltaNet causal conv1d": 1}
+    assert q35lab.revert(model).reverted == {"Qwen3_5GatedDeltaNet causal conv1d": 1, **unskipped}
     _loss_and_grads(model, ids)
     assert len(calls) == 1
 
