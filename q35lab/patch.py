@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import numbers
 import sys
 from collections import Counter
@@ -574,6 +575,25 @@ _KEY_HEADS = "_q35lab_key_heads"  # attribute of a GatedDeltaNet whose q/k head 
 _FLA_CORE = "flash-linear-attention's chunk_gated_delta_rule"
 
 
+def _resolved_core(function):
+    """The function a modeling module's delta-rule name really calls: through q35lab's switch
+    (``.original``) and transformers' ``use_kernel_func_from_hub_with_fallback`` wrapper, which
+    picks an implementation once, at import, and keeps it in its closure as ``implementation``
+    (the package's function, or its own PyTorch one when the import failed for any reason)."""
+    function = getattr(function, "original", function)
+    closure = inspect.getclosurevars(function).nonlocals if inspect.isfunction(function) else {}
+    return closure.get("implementation", function)
+
+
+def _core_groups_key_heads(gdn: torch.nn.Module) -> bool:
+    """Whether both cores the forward can call (the chunked one; the recurrent one, for a cached
+    decode) are flash-linear-attention's functions, as transformers resolved them."""
+    module = sys.modules[type(gdn).__module__]
+    names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+    cores = [_resolved_core(getattr(module, name, None)) for name in names]
+    return all(callable(core) and getattr(core, "__module__", "").startswith("fla.") for core in cores)
+
+
 def _key_head_repeat_problem(gdn: torch.nn.Module) -> str | None:
     """Why the GatedDeltaNet's forward keeps repeating q and k to the value heads, or None.
 
@@ -581,13 +601,14 @@ def _key_head_repeat_problem(gdn: torch.nn.Module) -> str | None:
     backward: 54 ms of a 9B step at 32k) before any core; flash-linear-attention's kernels take
     fewer key heads than value heads and read key head ``i // (Hv/Hk)`` for value head ``i``,
     which is ``repeat_interleave``'s own order (fla 0.6: ``chunk_delta_h.py``, ``wy_fast.py``,
-    ``fused_recurrent.py``). transformers' PyTorch core broadcasts the heads and needs the repeat."""
+    ``fused_recurrent.py``). transformers' PyTorch core broadcasts the heads and needs the repeat,
+    and so does ``torch.export``, under which transformers always calls it (not supported here)."""
     if gdn.num_v_heads == gdn.num_k_heads:
         return "as many key heads as value heads"
     if not long_context._forward_repeats_key_heads(type(gdn)):
         return "this transformers hands the core the key heads as they are"
-    if _delta_rule_core(gdn) != _FLA_CORE:
-        return "the core is not flash-linear-attention's, which alone reads grouped key heads"
+    if not _core_groups_key_heads(gdn):
+        return "transformers calls its PyTorch core, not flash-linear-attention's, which alone reads grouped key heads"
     return None
 
 
@@ -596,6 +617,7 @@ def _skip_key_head_repeat(gdn: torch.nn.Module, report: "PatchReport") -> None:
     heads on this module, the factor is 1 and q, k reach fla's core as the projections made them.
     The forward reads ``num_k_heads`` for nothing else (its dimensions are set at construction)."""
     if _marked(gdn, _KEY_HEADS) is not None:
+        report.already_patched += 1
         return
     problem = _key_head_repeat_problem(gdn)
     if problem is None:

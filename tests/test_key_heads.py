@@ -5,8 +5,10 @@ simulated (this machine's transformers hands the core the key heads as they are,
 on a GPU with fla the grouped core is checked against the repeated one."""
 
 import copy
+import functools
 import importlib.util
 import io
+import sys
 
 import pytest
 import torch
@@ -29,7 +31,7 @@ def _gdns(model):
 def repeating_forward_with_fla(monkeypatch):
     """transformers 5.17's situation on a GPU with fla: the forward repeats, fla is the core."""
     monkeypatch.setattr(long_context, "_forward_repeats_key_heads", lambda cls: True)
-    monkeypatch.setattr(patch, "_delta_rule_core", lambda gdn: patch._FLA_CORE)
+    monkeypatch.setattr(patch, "_core_groups_key_heads", lambda gdn: True)
 
 
 def test_this_transformers_and_core_decide_whether_the_repeat_is_skipped():
@@ -37,10 +39,41 @@ def test_this_transformers_and_core_decide_whether_the_repeat_is_skipped():
     gdn = _gdns(model)[0]
     before = (gdn.num_k_heads, gdn.num_v_heads)
     assert before[0] < before[1]  # the tiny model groups its key heads: a repeat to skip or not
+    skip = long_context._forward_repeats_key_heads(type(gdn)) and patch._core_groups_key_heads(gdn)
+    assert skip == (skip and importlib.util.find_spec("fla") is not None)  # never without fla
     report = q35lab.apply_to_qwen3_5(model)
-    skip = long_context._forward_repeats_key_heads(type(gdn)) and patch._delta_rule_core(gdn) == patch._FLA_CORE
     assert (SKIPPED in report.replaced) == skip
     assert (gdn.num_k_heads, gdn.num_v_heads) == ((before[1], before[1]) if skip else before)
+
+
+def _kernel_hub_wrapper(implementation, torch_function):
+    """What transformers' use_kernel_func_from_hub_with_fallback makes: the resolved function in
+    its closure, named after the PyTorch one."""
+    @functools.wraps(torch_function)
+    def wrapped(*args, **kwargs):
+        return implementation(*args, **kwargs)
+    return wrapped
+
+
+def test_the_core_is_read_from_what_transformers_resolved_through_the_switch():
+    def torch_core(*args):
+        return "torch"
+
+    def fla_core(*args):
+        return "fla"
+
+    fla_core.__module__ = "fla.ops.gated_delta_rule.chunk"
+    for implementation in (torch_core, fla_core):
+        wrapped = _kernel_hub_wrapper(implementation, torch_core)
+        assert patch._resolved_core(wrapped) is implementation
+        assert patch._resolved_core(patch._DeltaRuleSwitch(wrapped)) is implementation  # q35lab's switch, through
+    assert patch._resolved_core(fla_core) is fla_core and patch._resolved_core(None) is None
+    # this machine's modeling module: what its names resolve to decides, whatever is installed
+    gdn = _gdns(causal_lm())[0]
+    module = sys.modules[type(gdn).__module__]
+    resolved = [patch._resolved_core(getattr(module, n, None))
+                for n in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")]
+    assert patch._core_groups_key_heads(gdn) == all(getattr(f, "__module__", "").startswith("fla.") for f in resolved)
 
 
 def test_the_repeat_is_skipped_once_kept_by_copies_and_reverted(repeating_forward_with_fla):
@@ -51,7 +84,8 @@ def test_the_repeat_is_skipped_once_kept_by_copies_and_reverted(repeating_forwar
     assert report.replaced[SKIPPED] == len(gdns)
     # the forward repeats by num_v_heads // num_k_heads: 1 now
     assert all(g.num_k_heads == g.num_v_heads and g.num_v_heads // g.num_k_heads == 1 for g in gdns)
-    assert not any("q/k head repeat" in k for k in q35lab.apply_to_qwen3_5(model).replaced)  # twice: once
+    again = q35lab.apply_to_qwen3_5(model)  # twice: once, and counted as already patched
+    assert not any("q/k head repeat" in k for k in again.replaced) and again.already_patched >= len(gdns)
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)
@@ -73,44 +107,80 @@ def test_with_conv_off_the_repeat_stays(repeating_forward_with_fla):
     assert SKIPPED not in report.replaced and [g.num_k_heads for g in _gdns(model)] == own
 
 
-def test_without_fla_the_repeat_stays_and_the_report_says_why(monkeypatch):
+def test_without_fla_as_the_core_the_repeat_stays_and_the_report_says_why(monkeypatch):
     monkeypatch.setattr(long_context, "_forward_repeats_key_heads", lambda cls: True)
-    monkeypatch.setattr(patch, "_delta_rule_core", lambda gdn: "transformers' PyTorch fallback")
+    monkeypatch.setattr(patch, "_core_groups_key_heads", lambda gdn: False)
     model = causal_lm()
     own = [g.num_k_heads for g in _gdns(model)]
     report = q35lab.apply_to_qwen3_5(model)
-    why = ("Qwen3_5GatedDeltaNet q/k head repeat: the core is not flash-linear-attention's, which alone reads "
-           "grouped key heads")
+    why = ("Qwen3_5GatedDeltaNet q/k head repeat: transformers calls its PyTorch core, not flash-linear-attention's, "
+           "which alone reads grouped key heads")
     assert report.left_alone[why] == len(own) and [g.num_k_heads for g in _gdns(model)] == own
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and importlib.util.find_spec("fla") is not None),
-                    reason="fla's kernels need a GPU and flash-linear-attention")
-@pytest.mark.parametrize("tokens", [1, 63, 300])
-def test_fla_core_with_grouped_key_heads_follows_the_core_with_repeated_ones(tokens):
-    """fla's chunk_gated_delta_rule given Hk key heads and Hv = 2·Hk value heads: the output and
-    every gradient (q and k summed over each group, as repeat_interleave's backward sums them)
-    against the same core given the repeated heads, by the numerics rule with the repeated core
-    in fp32 as the reference."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+_ON_GPU_WITH_FLA = torch.cuda.is_available() and importlib.util.find_spec("fla") is not None
 
+
+def _grouped_and_repeated(core, tokens, cu_seqlens=None, with_state=False, backward=True, K=128):
+    """(grouped, repeated in bf16, repeated in fp32): the output, the final state and every
+    gradient of ``core`` given Hk = 2 key heads and Hv = 4 value heads (Qwen3.5's 128-wide heads
+    by default), once with the key heads as they are and once repeated as transformers 5.17 does."""
     torch.manual_seed(tokens)
-    Hk, Hv, K, V = 2, 4, 64, 64
-    dev = device()
+    Hk, Hv, dev = 2, 4, device()
+    sequences = 1 if cu_seqlens is None else len(cu_seqlens) - 1
     leaves = {"q": torch.randn(1, tokens, Hk, K, device=dev), "k": torch.randn(1, tokens, Hk, K, device=dev),
-              "v": torch.randn(1, tokens, Hv, V, device=dev),
+              "v": torch.randn(1, tokens, Hv, K, device=dev),
               "g": torch.nn.functional.logsigmoid(torch.randn(1, tokens, Hv, device=dev)),
               "beta": torch.rand(1, tokens, Hv, device=dev)}
-    dout = torch.randn(1, tokens, Hv, V, device=dev)
+    if with_state:
+        leaves["h0"] = torch.randn(sequences, Hv, K, K, device=dev) * 0.1
+    dout = torch.randn(1, tokens, Hv, K, device=dev)
+    dht = torch.randn(sequences, Hv, K, K, device=dev) * 0.1
+    bounds = None if cu_seqlens is None else torch.tensor(cu_seqlens, device=dev, dtype=torch.int32)
 
     def run(dtype, grouped):
-        xs = {n: t.to(dtype if n != "g" else torch.float32).requires_grad_() for n, t in leaves.items()}
+        xs = {n: t.to(torch.float32 if n in ("g", "h0") else dtype).requires_grad_(backward) for n, t in leaves.items()}
         q, k = (xs["q"], xs["k"]) if grouped else (xs["q"].repeat_interleave(Hv // Hk, 2),
                                                     xs["k"].repeat_interleave(Hv // Hk, 2))
-        out, _ = chunk_gated_delta_rule(q, k, xs["v"], g=xs["g"], beta=xs["beta"], use_qk_l2norm_in_kernel=True)
-        grads = torch.autograd.grad(out, list(xs.values()), dout.to(out.dtype))
-        return [out.float(), *(g.float() for g in grads)]
+        out, final = core(q, k, xs["v"], g=xs["g"], beta=xs["beta"], initial_state=xs.get("h0"),
+                          output_final_state=with_state, use_qk_l2norm_in_kernel=True, cu_seqlens=bounds)
+        results = [out.float()] + ([final.float()] if with_state else [])
+        if backward:
+            roots, grads_out = [out], [dout.to(out.dtype)]
+            if with_state:
+                roots, grads_out = roots + [final], grads_out + [dht.to(final.dtype)]
+            results += [g.float() for g in torch.autograd.grad(roots, list(xs.values()), grads_out)]
+        return results
 
-    grouped, repeated, reference = run(torch.bfloat16, True), run(torch.bfloat16, False), run(torch.float32, False)
-    for name, a, b, hi in zip(["out", "dq", "dk", "dv", "dg", "dbeta"], grouped, repeated, reference):
+    return run(torch.bfloat16, True), run(torch.bfloat16, False), run(torch.float32, False)
+
+
+@pytest.mark.skipif(not _ON_GPU_WITH_FLA, reason="fla's kernels need a GPU and flash-linear-attention")
+@pytest.mark.parametrize("tokens, cu_seqlens, with_state", [(1, None, False), (63, None, True), (300, None, False),
+                                                            (300, [0, 7, 70, 300], True)])
+def test_fla_chunked_core_with_grouped_key_heads_follows_the_core_with_repeated_ones(tokens, cu_seqlens, with_state):
+    """fla's chunk_gated_delta_rule given the key heads as they are, against the same core given
+    them repeated, by the numerics rule with the repeated core in fp32 as the reference: the output,
+    the final state and every gradient (q's and k's summed over each group by fla, by
+    repeat_interleave's backward on the other side), single rows and packed ones, with and without
+    states."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    grouped, repeated, reference = _grouped_and_repeated(chunk_gated_delta_rule, tokens, cu_seqlens, with_state)
+    names = ["out"] + (["final state"] if with_state else []) + ["dq", "dk", "dv", "dg", "dbeta"] + \
+        (["dh0"] if with_state else [])
+    assert len(names) == len(grouped)
+    for name, a, b, hi in zip(names, grouped, repeated, reference):
         assert_close_by_rule(name, a, b, hi)
+
+
+@pytest.mark.skipif(not _ON_GPU_WITH_FLA, reason="fla's kernels need a GPU and flash-linear-attention")
+def test_fla_recurrent_core_with_grouped_key_heads_follows_the_core_with_repeated_ones():
+    """The recurrent core a cached decode calls (forward only, as fla has it), one token and a few."""
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    for tokens in (1, 5):
+        grouped, repeated, reference = _grouped_and_repeated(fused_recurrent_gated_delta_rule, tokens,
+                                                             with_state=True, backward=False)
+        for name, a, b, hi in zip(["out", "final state"], grouped, repeated, reference):
+            assert_close_by_rule(name, a, b, hi)
