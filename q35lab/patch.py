@@ -12,6 +12,7 @@ import importlib.util
 import inspect
 import numbers
 import sys
+import types
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -447,6 +448,26 @@ class _ConvSwitch:
     """Installed as a modeling module's ``causal_conv1d_fn``: q35lab's convolution while a patched
     GatedDeltaNet's forward runs, the module's own function at every other call."""
 
+    _rebuild = None  # set on the class of one installed switch (``install``)
+
+    def __new__(cls, *args, **kwargs):
+        if not args and not kwargs and cls._rebuild is not None:
+            # transformers >= 5.25 makes these functions `kernels` objects, and a model pickled with
+            # them is unpickled by calling type(the module's attribute)() — this switch's class now:
+            # give back a fresh object of the type the switch wraps, as it would have been
+            return cls._rebuild()
+        return super().__new__(cls)
+
+    @classmethod
+    def install(cls, original):
+        """A switch around ``original``, of a class of its own that rebuilds ``original``'s type
+        when called without arguments (what `kernels`' unpickling does; a plain function's type
+        cannot be called so, and is never asked to)."""
+        rebuild = None if isinstance(original, types.FunctionType) else staticmethod(lambda: type(original)())
+        own = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                          "_rebuild": rebuild})
+        return own(original)
+
     def __init__(self, original):
         self.original = original
         self.active = 0
@@ -554,9 +575,9 @@ def _patch_conv(gdn: torch.nn.Module, report: "PatchReport") -> None:
         name = type(gdn).__module__
         module = sys.modules[name]
         if name not in _CONV_SWITCHES:  # delegates to the original while no patched layer runs
-            _CONV_SWITCHES[name] = module.causal_conv1d_fn = _ConvSwitch(module.causal_conv1d_fn)
+            _CONV_SWITCHES[name] = module.causal_conv1d_fn = _ConvSwitch.install(module.causal_conv1d_fn)
         if name not in _DELTA_RULE_SWITCHES and callable(getattr(module, "torch_chunk_gated_delta_rule", None)):
-            _DELTA_RULE_SWITCHES[name] = module.torch_chunk_gated_delta_rule = _DeltaRuleSwitch(
+            _DELTA_RULE_SWITCHES[name] = module.torch_chunk_gated_delta_rule = _DeltaRuleSwitch.install(
                 module.torch_chunk_gated_delta_rule)
         _override_forward(gdn, _CONV, _SwitchedConvForward, None, label, report)
 

@@ -535,3 +535,23 @@ def test_the_report_says_which_delta_rule_core_and_convolution_run():
         "PyTorch fallback" in report.runs["delta-rule core"] and "pip install flash-linear-attention" in str(report))
     assert "fallback" in report.runs["causal conv1d"] and "conv=True" in str(report)
     assert q35lab.apply_to_qwen3_5(torch.nn.Linear(2, 2)).runs == {}  # no GatedDeltaNet, nothing to say
+
+
+def test_an_installed_switch_rebuilds_the_type_it_wraps_when_called_without_arguments():
+    """transformers >= 5.25 makes the modeling module's functions `kernels` objects, and unpickles
+    one as type(the module's attribute)(): with q35lab's switch installed there, that call must
+    give a fresh object of the wrapped type (a plain function is never rebuilt so)."""
+    from q35lab import patch
+
+    class KernelFunction:  # the shape of kernels' function objects: called, and rebuilt without arguments
+        def __call__(self, x):
+            return x + 1
+
+    switch = patch._ConvSwitch.install(KernelFunction())
+    assert isinstance(switch, patch._ConvSwitch) and switch(1) == 2 and switch.active == 0
+    assert isinstance(type(switch)(), KernelFunction)
+    other = patch._DeltaRuleSwitch.install(KernelFunction())
+    assert type(other) is not type(switch) and isinstance(type(other)(), KernelFunction)  # a class each
+    plain = patch._ConvSwitch.install(lambda x: x)
+    with pytest.raises(TypeError, match="original"):
+        type(plain)()
