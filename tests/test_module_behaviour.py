@@ -132,15 +132,8 @@ def test_torch_compile_of_a_patched_peft_model_matches_eager():
     eager = loss_and_grads(model, ids)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="inductor")
-
-    def compiled_step():  # the compiled module's forward; the gradients read off the model's own names
-        model.zero_grad(set_to_none=True)
-        loss = compiled(input_ids=ids, labels=ids).loss
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    _assert_close_step(compiled_step(), eager)
-    _assert_close_step(compiled_step(), eager)  # the second call reuses the graphs
+    _assert_close_step(loss_and_grads(model, ids, run=compiled), eager)
+    _assert_close_step(loss_and_grads(model, ids, run=compiled), eager)  # the second call reuses the graphs
 
 
 def _first_order_cases():

@@ -43,10 +43,12 @@ def moe_causal_lm() -> torch.nn.Module:
     return _randomise_norms(Qwen3_5MoeForCausalLM(config))
 
 
-def loss_and_grads(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor | None = None):
-    """One causal-LM loss (labels = ids unless given) and the gradient of every parameter that gets one."""
+def loss_and_grads(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor | None = None, run=None):
+    """One causal-LM loss (labels = ids unless given) and the gradient of every parameter that gets one.
+    ``run``: what computes the forward instead of ``model`` (``torch.compile(model)``); the gradients
+    are read off ``model``'s own parameter names either way."""
     model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids if labels is None else labels).loss
+    loss = (model if run is None else run)(input_ids=ids, labels=ids if labels is None else labels).loss
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
