@@ -593,7 +593,6 @@ def _unpatch_conv(gdn: torch.nn.Module, report: "PatchReport") -> None:
 
 
 _KEY_HEADS = "_q35lab_key_heads"  # attribute of a GatedDeltaNet whose q/k head repeat q35lab skips: its num_k_heads
-_FLA_CORE = "flash-linear-attention's chunk_gated_delta_rule"
 
 
 def _resolved_core(function):
@@ -615,22 +614,16 @@ def _core_groups_key_heads(gdn: torch.nn.Module) -> bool:
     return all(callable(core) and getattr(core, "__module__", "").startswith("fla.") for core in cores)
 
 
-def _key_head_repeat_problem(gdn: torch.nn.Module) -> str | None:
-    """Why the GatedDeltaNet's forward keeps repeating q and k to the value heads, or None.
+def _repeats_key_heads(gdn: torch.nn.Module) -> bool:
+    """Whether the GatedDeltaNet's forward repeats q and k to the value heads before any core.
 
-    transformers before 5.2x repeats them (``repeat_interleave``, a copy of both, and a sum in the
-    backward: 54 ms of a 9B step at 32k) before any core; flash-linear-attention's kernels take
-    fewer key heads than value heads and read key head ``i // (Hv/Hk)`` for value head ``i``,
-    which is ``repeat_interleave``'s own order (fla 0.6: ``chunk_delta_h.py``, ``wy_fast.py``,
+    transformers before 5.2x does (``repeat_interleave``, a copy of both, and a sum in the
+    backward: 54 ms of a 9B step at 32k); flash-linear-attention's kernels take fewer key heads
+    than value heads and read key head ``i // (Hv/Hk)`` for value head ``i``, which is
+    ``repeat_interleave``'s own order (fla 0.6: ``chunk_delta_h.py``, ``wy_fast.py``,
     ``fused_recurrent.py``). transformers' PyTorch core broadcasts the heads and needs the repeat,
     and so does ``torch.export``, under which transformers always calls it (not supported here)."""
-    if gdn.num_v_heads == gdn.num_k_heads:
-        return "as many key heads as value heads"
-    if not long_context._forward_repeats_key_heads(type(gdn)):
-        return "this transformers hands the core the key heads as they are"
-    if not _core_groups_key_heads(gdn):
-        return "transformers calls its PyTorch core, not flash-linear-attention's, which alone reads grouped key heads"
-    return None
+    return gdn.num_v_heads != gdn.num_k_heads and long_context._forward_repeats_key_heads(type(gdn))
 
 
 def _skip_key_head_repeat(gdn: torch.nn.Module, report: "PatchReport") -> None:
@@ -639,14 +632,15 @@ def _skip_key_head_repeat(gdn: torch.nn.Module, report: "PatchReport") -> None:
     The forward reads ``num_k_heads`` for nothing else (its dimensions are set at construction)."""
     if _marked(gdn, _KEY_HEADS) is not None:
         report.already_patched += 1
+    elif not _repeats_key_heads(gdn):
         return
-    problem = _key_head_repeat_problem(gdn)
-    if problem is None:
+    elif not _core_groups_key_heads(gdn):
+        report.left_alone[f"{type(gdn).__name__} q/k head repeat: transformers calls its PyTorch core, not "
+                          "flash-linear-attention's, which alone reads grouped key heads"] += 1
+    else:
         object.__setattr__(gdn, _KEY_HEADS, gdn.num_k_heads)
         gdn.num_k_heads = gdn.num_v_heads
         report.replaced[f"{type(gdn).__name__} q/k head repeat (skipped: fla's core groups the key heads)"] += 1
-    elif long_context._forward_repeats_key_heads(type(gdn)) and gdn.num_v_heads != gdn.num_k_heads:
-        report.left_alone[f"{type(gdn).__name__} q/k head repeat: {problem}"] += 1
 
 
 def _unskip_key_head_repeat(gdn: torch.nn.Module, report: "PatchReport") -> None:
@@ -958,7 +952,7 @@ def _delta_rule_core(gdn: torch.nn.Module) -> str:
     if hopper and not _triton_at_least((3, 7, 1)):
         return ("flash-linear-attention's, whose backward refuses Hopper with this Triton (< 3.7.1, fla#640): "
                 "install Triton 3.7.1 (or torch >= 2.12.1)")
-    return _FLA_CORE
+    return "flash-linear-attention's chunk_gated_delta_rule"
 
 
 def _causal_conv(gdn: torch.nn.Module) -> str:

@@ -134,7 +134,8 @@ def _skipped_key_repeat(model, reverted: bool = False) -> dict:
     the core on a transformers whose forward repeats: the H200's), asked before patching."""
     from q35lab import patch
 
-    n = sum(patch._key_head_repeat_problem(m) is None for m in model.modules() if patch._is_gated_delta_net(m))
+    n = sum(patch._repeats_key_heads(m) and patch._core_groups_key_heads(m)
+            for m in model.modules() if patch._is_gated_delta_net(m))
     label = "Qwen3_5GatedDeltaNet q/k head repeat" + ("" if reverted else " (skipped: fla's core groups the key heads)")
     return {label: n} if n else {}
 
