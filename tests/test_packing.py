@@ -201,6 +201,24 @@ def test_a_measured_packed_step_counts_its_real_tokens(tmp_path):
         e2e.sft_batch("sorted", 96, 128, device())
 
 
+def test_a_padded_measurement_repeats_its_warm_up_mix_and_a_packed_one_draws_a_mix_a_step(monkeypatch):
+    from q35lab import e2e
+    from q35lab.bench.e2e import step as step_module
+
+    model = e2e.build("tiny", 2, rank=4, device=device(), dtype=torch.float32)
+    q35lab.apply_to_qwen3_5(model)  # packed rows on a CPU: q35lab's delta rule keeps the sequences apart
+    seeds = []
+
+    def recorded(kind, T, vocab, device, seed=0):
+        seeds.append((kind, seed))
+        return e2e.sft_batch(kind, T, vocab, device, seed=seed)
+
+    monkeypatch.setattr(step_module, "sft_batch", recorded)
+    for kind in ("packed", "padded"):
+        e2e.measure(model, 64, steps=2, warmup=1, batch=kind)
+    assert seeds == [("packed", 0), ("packed", 1), ("packed", 2), ("padded", 0), ("padded", 0), ("padded", 0)]
+
+
 def test_the_rows_built_here_are_those_of_transformers_packing_collator():
     from transformers import DataCollatorWithFlattening
 

@@ -59,13 +59,24 @@ def _training_setup(model, lr: float):
     return next(model.parameters()).device, model.get_input_embeddings().weight.shape[0], optimizer
 
 
+def _batch_seed(batch: str, step: int) -> int:
+    """The seed of a step's SFT mix. A padded step trains the same micro-batches every step: their
+    row counts and widths are compile-time constants of some of fla's kernels (its chunked cumsum's
+    and output backward's batch size), so a new mix compiles new kernels, which a training run pays
+    once per shape and a short measurement would pay in every step (2026-12-03, q35lab's padded
+    9B step at 32k with a new mix each step: 53 s and 41 s, the core's region 38 s of them, against
+    0.44 s packed). The warm-up compiles the shapes the measured steps then reuse. A packed step is
+    one row of T tokens whatever its mix: each step its own."""
+    return 0 if batch == "padded" else step
+
+
 def measure(model, T: int, steps: int = 3, warmup: int = 1, lr: float = 1e-4, compile: bool = False,
             batch: str | None = None, progress: bool = False) -> dict:
     """Median step time and core time over ``steps`` steps after ``warmup``; peak memory; losses.
     ``compile``: the steps run ``torch.compile(model)`` (its compilation falls in the warm-up).
     ``batch``: one sequence of ``T`` random tokens (None), or ``T`` tokens of the SFT length mix
-    "packed" into one row or "padded" per micro-batch (``packing``); their rows count the real
-    (non-pad) tokens a second. ``progress``: each step's wall time on stderr as it ends (a run
+    "packed" into one row or "padded" per micro-batch (``packing``, ``_batch_seed``); their rows
+    count the real (non-pad) tokens a second. ``progress``: each step's wall time on stderr as it ends (a run
     cut short by a time limit still says how far it got)."""
     device, vocab, optimizer = _training_setup(model, lr)
     step_model = torch.compile(model) if compile else model
@@ -74,7 +85,7 @@ def measure(model, T: int, steps: int = 3, warmup: int = 1, lr: float = 1e-4, co
     on_gpu = device.type == "cuda"
     with timer.functions(model) as n_wrapped:
         for i in range(warmup + steps):
-            ids = tokens(T, vocab, device, seed=i) if batch is None else sft_batch(batch, T, vocab, device, seed=i)
+            ids = tokens(T, vocab, device, seed=i) if batch is None else sft_batch(batch, T, vocab, device, seed=_batch_seed(batch, i))
             if on_gpu:
                 torch.cuda.synchronize()
                 if i == warmup:
