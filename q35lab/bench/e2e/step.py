@@ -54,8 +54,10 @@ def train_step(model, optimizer, batch) -> float:
 
 def _training_setup(model, lr: float):
     """The model's device, its vocabulary size (for random tokens) and a fresh AdamW over its
-    trainable parameters: what every measured step starts from."""
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    trainable parameters: what every measured step starts from. The fused AdamW is what
+    transformers' ``Trainer`` runs by default (``optim="adamw_torch_fused"``); torch's own default
+    (``foreach``) took 22 ms of the 9B step at 32k (cf6f1ec's profile), the same in every variant."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, fused=True)
     return next(model.parameters()).device, model.get_input_embeddings().weight.shape[0], optimizer
 
 
