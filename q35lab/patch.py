@@ -21,6 +21,7 @@ import torch
 from . import long_context, packed_attention
 from .ops._compile import opaque_to_compile
 from .ops.causal_conv1d import causal_conv1d
+from .ops.contiguous_rows import contiguous_rows
 from .ops.gated_rms_norm import GatedRMSNorm
 from .ops.fused_projections import (ConcatCache, Projection, _rows_of_one_buffer, fused_lora_projections, pack_rows,
                                      unpack_rows)
@@ -484,8 +485,12 @@ class _DeltaRuleSwitch(_ConvSwitch):
     """Installed as a modeling module's ``torch_chunk_gated_delta_rule``: per sequence of a packed
     row while a patched GatedDeltaNet's forward runs (``_PerSequenceDeltaRule``), as it was otherwise."""
 
+    fla_core = None  # whether the wrapped function resolves to fla's (asked at the first call)
+
     def replacement(self):
-        return _PerSequenceDeltaRule(self.original)
+        if self.fla_core is None:  # asked once: transformers resolves its core at import
+            self.fla_core = getattr(_resolved_core(self.original), "__module__", "").startswith("fla.")
+        return _PerSequenceDeltaRule(self.original, self.fla_core)
 
 
 class _PerSequenceDeltaRule:
@@ -495,13 +500,18 @@ class _PerSequenceDeltaRule:
     any, the sequence's row of ``initial_state``) and concatenates the outputs along T; the final
     states, when asked for, are stacked one per sequence, as flash-linear-attention returns them.
     Without boundaries, or when flash-linear-attention is installed (its kernel honours them), the
-    function runs as it is."""
+    function runs as it is; when that function is fla's (``fla_core``), q, k and v reach it
+    contiguous, copied by ``contiguous_rows``: the forward splits them out of the convolution's
+    output as strided views, which fla would copy at a third of the copy rate."""
 
-    def __init__(self, original):
+    def __init__(self, original, fla_core: bool = False):
         self.original = original
+        self.fla_core = fla_core
 
     def __call__(self, query, key, value, g, beta, *args, cu_seqlens=None, initial_state=None, **kwargs):
         if cu_seqlens is None or _installed("fla"):
+            if self.fla_core:
+                query, key, value = (contiguous_rows(t) for t in (query, key, value))
             return self.original(query, key, value, g, beta, *args, cu_seqlens=cu_seqlens, initial_state=initial_state,
                                  **kwargs)
         if query.shape[0] != 1:
