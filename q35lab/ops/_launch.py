@@ -1,12 +1,14 @@
-"""Launch helpers shared by the row-wise kernels: their ``[rows, width]`` view of an input, and
-how many programs a persistent grid gets."""
+"""Launch helpers shared by the row-wise kernels: their ``[rows, width]`` view of an input, how
+many programs a persistent grid gets, and the tiles of the streaming row kernels."""
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
+import triton
 
 #: Under the interpreter a persistent grid gets this many programs: enough to exercise the
 #: reduction of per-program partials, few enough to stay quick.
@@ -33,3 +35,19 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     input, where any count fits.
     """
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).contiguous()
+
+
+@dataclass(frozen=True)
+class RowTiles:
+    """The launch of a streaming row kernel (a gather, a copy): each program takes ``block_rows``
+    rows and walks them in column blocks of ``block_cols``."""
+    block_rows: int  # rows per program (power of two)
+    block_cols: int  # columns per column block (power of two); wider rows loop over blocks
+    warps: int
+
+
+def row_tiles(width: int) -> RowTiles:
+    """Tiles of 4096 elements (8 KB a tensor in bf16), 8 warps, as for q35lab's other streaming
+    kernels; a row wider than 1024 is walked in blocks of 1024 by one program."""
+    block_cols = min(1024, max(16, triton.next_power_of_2(max(width, 1))))
+    return RowTiles(block_rows=max(1, 4096 // block_cols), block_cols=block_cols, warps=8)

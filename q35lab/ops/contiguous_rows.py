@@ -18,40 +18,25 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from ._compile import opaque_to_compile
+from ._launch import RowTiles, row_tiles
 from ._tuned import tuned_config
 
 __all__ = ["contiguous_rows", "strided_rows", "LaunchConfig", "launch_config"]
 
 
-@dataclass(frozen=True)
-class LaunchConfig:
-    block_rows: int  # rows per program (power of two)
-    block_cols: int  # columns per column block (power of two); wider rows loop over blocks
-    warps: int
-
-
-#: Set by a tuning script to try other configurations; None in normal use.
-CONFIG_OVERRIDE: LaunchConfig | None = None
-
-
-def launch_config(width: int) -> LaunchConfig:
-    """The launch for rows of ``width`` (override, tuned entry, or the default)."""
-    return CONFIG_OVERRIDE if CONFIG_OVERRIDE is not None else _default_config(width)
+LaunchConfig = RowTiles
 
 
 @functools.lru_cache(maxsize=64)
-def _default_config(width: int) -> LaunchConfig:
-    """Tiles of 4096 elements, 8 warps, as for q35lab's other streaming kernels."""
-    block_cols = min(1024, max(16, triton.next_power_of_2(max(width, 1))))
-    default = LaunchConfig(block_rows=max(1, 4096 // block_cols), block_cols=block_cols, warps=8)
-    return tuned_config("contiguous_rows", width, default)
+def launch_config(width: int) -> LaunchConfig:
+    """The launch for rows of ``width``: this GPU's tuned entry, or ``row_tiles``."""
+    return tuned_config("contiguous_rows", width, row_tiles(width))
 
 
 @triton.jit

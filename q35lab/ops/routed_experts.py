@@ -51,6 +51,7 @@ import triton.language as tl
 from ._autograd import first_order_only
 from ._checks import check_float_tensor, check_same_device
 from ._compile import opaque_to_compile
+from ._launch import RowTiles, row_tiles
 from ._tuned import tuned_config
 
 __all__ = ["Routing", "routing", "routed_experts", "routed_experts_ref", "gather_rows", "sum_slots",
@@ -118,12 +119,7 @@ def routing(top_k_index: torch.Tensor, num_experts: int) -> Routing:
 # --------------------------------------------------------------------------------------------
 # Launch configuration: one tile size for the three streaming kernels.
 # --------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class LaunchConfig:
-    block_rows: int  # rows per program (power of two)
-    block_cols: int  # columns per column block (power of two); wider rows loop over blocks
-    warps: int
-
+LaunchConfig = RowTiles
 
 #: Set by a tuning script to try other configurations; None in normal use.
 CONFIG_OVERRIDE: LaunchConfig | None = None
@@ -136,12 +132,9 @@ def launch_config(width: int) -> LaunchConfig:
 
 @functools.lru_cache(maxsize=64)
 def _default_config(width: int) -> LaunchConfig:
-    """Tiles of 4096 elements (8 KB a tensor in bf16), 8 warps, as for the other streaming
-    kernels; a row wider than 1024 is walked in blocks of 1024 by one program (the SwiGLU's
-    weight gradient is a sum along the row)."""
-    block_cols = min(1024, max(16, triton.next_power_of_2(max(width, 1))))
-    default = LaunchConfig(block_rows=max(1, 4096 // block_cols), block_cols=block_cols, warps=8)
-    return tuned_config("routed_experts", width, default)
+    """``row_tiles``: a row wider than 1024 is walked by one program (the SwiGLU's weight
+    gradient is a sum along the row)."""
+    return tuned_config("routed_experts", width, row_tiles(width))
 
 
 def _grid(n_rows: int, config: LaunchConfig) -> tuple[int]:
