@@ -86,3 +86,14 @@ def test_the_switch_asks_whether_the_function_it_wraps_is_fla_s():
     fla_like.__module__ = "fla.ops.gated_delta_rule.chunk"
     assert patch._DeltaRuleSwitch.install(fla_like).replacement().fla_core
     assert not patch._DeltaRuleSwitch.install(_recording_core([])).replacement().fla_core
+
+
+def test_the_benchmark_copies_what_fla_is_given_and_counts_its_bytes():
+    from q35lab import bench, shapes
+
+    spec = bench.discover()["contiguous_rows"]
+    data = spec.make_inputs(5, device(), torch.bfloat16)
+    outs = {name: make(data)[0]() for name, (make, _) in spec.impls.items()}
+    assert all(a.is_contiguous() and torch.equal(a, b) for a, b in zip(outs["q35lab"], outs["torch"]))
+    width = 2 * shapes.GDN_KEY_HEADS * shapes.GDN_HEAD_DIM + shapes.GDN_VALUE_HEADS * shapes.GDN_HEAD_DIM
+    assert spec.bytes_model(5, "fwd") == 2 * 5 * width * 2 and width == 8192  # read and write, bf16
