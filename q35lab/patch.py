@@ -489,7 +489,7 @@ class _DeltaRuleSwitch(_ConvSwitch):
 
     def replacement(self):
         if self.fla_core is None:  # asked once: transformers resolves its core at import
-            self.fla_core = getattr(_resolved_core(self.original), "__module__", "").startswith("fla.")
+            self.fla_core = _is_fla_function(_resolved_core(self.original))
         return _PerSequenceDeltaRule(self.original, self.fla_core)
 
 
@@ -620,8 +620,12 @@ def _core_groups_key_heads(gdn: torch.nn.Module) -> bool:
     decode) are flash-linear-attention's functions, as transformers resolved them."""
     module = sys.modules[type(gdn).__module__]
     names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
-    cores = [_resolved_core(getattr(module, name, None)) for name in names]
-    return all(callable(core) and getattr(core, "__module__", "").startswith("fla.") for core in cores)
+    return all(_is_fla_function(_resolved_core(getattr(module, name, None))) for name in names)
+
+
+def _is_fla_function(function) -> bool:
+    """Whether ``function`` (as ``_resolved_core`` finds it) is one of flash-linear-attention's."""
+    return callable(function) and getattr(function, "__module__", "").startswith("fla.")
 
 
 def _repeats_key_heads(gdn: torch.nn.Module) -> bool:

@@ -66,6 +66,7 @@ def strided_rows(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def _copy(x: torch.Tensor, config: LaunchConfig | None = None) -> torch.Tensor:
+    """``x.contiguous()``: one Triton copy of its rows, or torch's copy where ``x`` has none."""
     rows = strided_rows(x)
     if rows is None:
         return x.contiguous()
@@ -94,6 +95,4 @@ def contiguous_rows(x: torch.Tensor) -> torch.Tensor:
     (``strided_rows``); ``x`` itself when it is contiguous already, torch's copy otherwise."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a tensor, got {type(x).__name__}")
-    if x.is_contiguous() or strided_rows(x) is None:
-        return x.contiguous()
-    return ContiguousRowsFunction.apply(x)
+    return x if x.is_contiguous() else ContiguousRowsFunction.apply(x)
