@@ -205,6 +205,18 @@ def test_input_sets_rotate_enough_bytes_and_no_more():
     assert _n_input_sets(core.ROTATE_BYTES) == 1 and _n_input_sets(10 * core.ROTATE_BYTES) == 1
 
 
+@pytest.mark.parametrize("name", sorted(bench.discover()))
+def test_every_bench_sizes_its_input_rotation_from_its_own_passes(name):
+    # the sweep of 2026-12-03 stopped at contiguous_rows, measured forward only, asked for "fwd+bwd" bytes
+    from q35lab.bench import _footprint
+
+    spec = bench.discover()[name]
+    no_inputs = {"x": torch.empty(3, 5)}
+    footprint = _footprint(spec, 8192, no_inputs)
+    models = [spec.bytes_model(8192, pass_) or 0 for pass_ in spec.passes]
+    assert footprint == (max(models) or 4 * 15) and footprint > 0
+
+
 def test_ablation_waterfall_steps_from_the_baseline_to_the_full_variant():
     import pandas as pd
 

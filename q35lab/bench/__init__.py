@@ -113,13 +113,19 @@ def _n_input_sets(footprint: int) -> int:
     return max(1, min(16, math.ceil(core.ROTATE_BYTES / max(footprint, 1))))
 
 
+def _footprint(bench: OpBench, T: int, inputs) -> int:
+    """A call's traffic for the rotation: the bytes model of the bench's largest pass (an op
+    measured forward only has no "fwd+bwd"), or, without a model, the inputs' bytes."""
+    return max(bench.bytes_model(T, pass_) or 0 for pass_ in bench.passes) or _tensor_bytes(inputs)
+
+
 def _measure_impl(bench: OpBench, impl_name: str, T: int, ceilings: core.Ceilings, info: dict) -> list[dict]:
     """Every pass of one implementation at one size, as CSV rows."""
     make, needs = bench.impls[impl_name]
     skip = _missing(needs)
     inputs_sets = [] if skip else [bench.make_inputs(T, runtime.device())]
     if inputs_sets:
-        footprint = bench.bytes_model(T, "fwd+bwd") or _tensor_bytes(inputs_sets[0])
+        footprint = _footprint(bench, T, inputs_sets[0])
         inputs_sets += [bench.make_inputs(T, runtime.device()) for _ in range(_n_input_sets(footprint) - 1)]
     rows = []
     for (variant, options), pass_ in ((v, p) for v in bench.variants.items() for p in bench.passes):
