@@ -23,7 +23,8 @@
 #   bash scripts/gpu_session.sh big27      # 27B: q35lab and PEFT + Liger at 8k and 64k
 #   bash scripts/gpu_session.sh packed     # the SFT length mix packed at 32k: q35lab, PEFT + Liger, axolotl's
 #                                          # recipe, PEFT, q35lab without the varlen attention (PACKED picks)
-#   bash scripts/gpu_session.sh padded     # the same tokens padded per micro-batch, the four (PADDED picks)
+#   bash scripts/gpu_session.sh padded     # the same tokens padded per micro-batch beside packed, the four
+#                                          # (PADDED picks): packed_vs_padded.csv
 #   bash scripts/gpu_session.sh current_tf # q35lab, PEFT + Liger and PEFT at 9B/32k on the current transformers
 #                                          # (carry .whl, .whl-tf and .triton-autotune, not .whl-peers; .whl-tf from
 #                                          # scripts/slim_transformers.py): end_to_end_current_transformers.csv
@@ -101,10 +102,13 @@ case $stage in
       e2e 150 $v 32768 --size 9b --steps 2 --batch packed
     done
     ;;
-  padded)  # the same tokens padded to the longest sequence of each micro-batch: 4-5 micro-batches of
-           # ~100-130k tokens with padding, ~15 s a step (PADDED="..." picks some; each its own limit)
+  padded)  # the same tokens padded to the longest sequence of each micro-batch (4-5 micro-batches of
+           # ~100-130k tokens with padding: q35lab 11 s a step, PEFT + Liger 19 s), each variant beside its
+           # own packed row of the same call, in a file of their own: in end_to_end.csv a packed row of
+           # this call would replace the packed pair that compares the variants within one run
     for v in ${PADDED:-q35lab peft+liger peft+liger+axolotl peft}; do
-      e2e 240 $v 32768 --size 9b --steps 2 --batch padded
+      E2E_OUT=packed_vs_padded.csv e2e 150 $v 32768 --size 9b --steps 2 --batch packed
+      E2E_OUT=packed_vs_padded.csv e2e 240 $v 32768 --size 9b --steps 2 --batch padded
     done
     ;;
   current_tf)  # the image's transformers 5.17 repeats q and k to 32 heads before fla (the step's largest copy) and
