@@ -133,8 +133,12 @@ case $stage in
     # their own CSV: a plain q35lab row in end_to_end.csv would replace the headline's, measured beside the peers
     # LONG_COST="..." runs only those options, after q35lab (their baseline in the same call)
     costs=${LONG_COST:-q35lab+tiled q35lab+offload q35lab+long}
+    # This call's rows go to a file of their own first, then join long_context.csv beside the earlier calls'
+    # (a q35lab row merged straight in would replace the baseline of an earlier call's options: 2026-12-03)
+    rm -f data/bench/nvidia-h200/long_context_call.csv
     for v in q35lab $(printf '%s\n' $costs | grep -vx q35lab); do  # q35lab first, once, whatever LONG_COST lists
-      E2E_OUT=long_context.csv e2e 180 $v 32768 --size 9b --steps 3
+      E2E_OUT=long_context_call.csv e2e 180 $v 32768 --size 9b --steps 3
+      python3 scripts/join_calls.py data/bench/nvidia-h200/long_context_call.csv data/bench/nvidia-h200/long_context.csv
     done
     ;;
   long)  # a step at 512k is predicted at ~4 min (attention alone ~190 s): one T fits a call
