@@ -106,9 +106,14 @@ case $stage in
            # ~100-130k tokens with padding: q35lab 11 s a step, PEFT + Liger 19 s), each variant beside its
            # own packed row of the same call, in a file of their own: in end_to_end.csv a packed row of
            # this call would replace the packed pair that compares the variants within one run
+    rm -f data/bench/nvidia-h200/packed_vs_padded_call.csv
     for v in ${PADDED:-q35lab peft+liger peft+liger+axolotl peft}; do
-      E2E_OUT=packed_vs_padded.csv e2e 150 $v 32768 --size 9b --steps 2 --batch packed
-      E2E_OUT=packed_vs_padded.csv e2e 240 $v 32768 --size 9b --steps 2 --batch padded
+      for batch in packed padded; do
+        E2E_OUT=packed_vs_padded_call.csv e2e $([[ $batch == packed ]] && echo 150 || echo 240) $v 32768 \
+            --size 9b --steps 2 --batch $batch
+        python3 scripts/join_calls.py data/bench/nvidia-h200/packed_vs_padded_call.csv \
+            data/bench/nvidia-h200/packed_vs_padded.csv
+      done
     done
     ;;
   current_tf)  # the image's transformers 5.17 repeats q and k to 32 heads before fla (the step's largest copy) and

@@ -30,3 +30,11 @@ def test_a_new_commit_adds_rows_beside_the_same_variants_of_older_calls():
     call = pd.DataFrame({"variant": ["q35lab"], "commit": ["ccc"], "step_ms": [2.0]})
     joined = _join()(call, kept)
     assert list(zip(joined.variant, joined.commit)) == [("q35lab", "aaa"), ("q35lab", "ccc")]
+
+
+def test_a_packed_and_a_padded_row_of_one_variant_and_call_both_stay():
+    kept = pd.DataFrame({"variant": ["q35lab"], "batch": ["packed"], "commit": ["aaa"], "step_ms": [1.0]})
+    call = pd.DataFrame({"variant": ["q35lab", "q35lab"], "batch": ["padded", "packed"], "commit": ["aaa", "aaa"],
+                         "step_ms": [4.0, 2.0]})
+    joined = _join()(call, kept).set_index(["batch"]).step_ms
+    assert len(joined) == 2 and joined["padded"] == 4.0 and joined["packed"] == 2.0
