@@ -45,6 +45,7 @@ from ._checks import check_float_tensor, check_same_device
 from ._compile import opaque_to_compile
 from ._launch import persistent_programs
 from ._reduce import sum_partials
+from ._tuned import tuned_config
 
 __all__ = [
     "causal_conv1d_ref",
@@ -342,19 +343,18 @@ class LaunchConfig:
             raise ValueError(f"LaunchConfig.bwd_programs_per_sm: expected >= 1, got {self.bwd_programs_per_sm}")
 
 
-#: Set by a tuning script to try other configurations; None in normal use.
-CONFIG_OVERRIDE: LaunchConfig | None = None
-
-
+@functools.lru_cache(maxsize=64)
 def launch_config(C: int, K: int) -> LaunchConfig:
+    """This GPU's ``tuned.json`` entry for ``C`` channels and a ``K``-tap filter (key ``"CxK"``,
+    written by ``scripts/tune_causal_conv1d.py``) over the default's other fields, else the
+    default. A tuning script passes ``config=`` to the host functions instead."""
+    return tuned_config("causal_conv1d", f"{C}x{K}", _default_config(C, K))
+
+
+def _default_config(C: int, K: int) -> LaunchConfig:
     """Forward tiles of 32 tokens × 128 channels (256 contiguous bytes a token in bf16, 32
     values a thread at 4 warps), backward 32 × 64 (it holds dz, dx and the dW tiles); narrower C
     shrinks the channel block. Larger tiles spilled registers in the sweep (10-50× slower)."""
-    return CONFIG_OVERRIDE if CONFIG_OVERRIDE is not None else _default_config(C, K)
-
-
-@functools.lru_cache(maxsize=64)
-def _default_config(C: int, K: int) -> LaunchConfig:
     block_c = min(128, triton.next_power_of_2(max(C, 1)))
     return LaunchConfig(
         block_t=32, block_c=block_c, num_warps=4,

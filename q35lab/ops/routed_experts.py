@@ -121,19 +121,11 @@ def routing(top_k_index: torch.Tensor, num_experts: int) -> Routing:
 # --------------------------------------------------------------------------------------------
 LaunchConfig = RowTiles
 
-#: Set by a tuning script to try other configurations; None in normal use.
-CONFIG_OVERRIDE: LaunchConfig | None = None
-
-
-def launch_config(width: int) -> LaunchConfig:
-    """The launch for rows of ``width`` (override, tuned entry, or the default)."""
-    return CONFIG_OVERRIDE if CONFIG_OVERRIDE is not None else _default_config(width)
-
-
 @functools.lru_cache(maxsize=64)
-def _default_config(width: int) -> LaunchConfig:
-    """``row_tiles``: a row wider than 1024 is walked by one program (the SwiGLU's weight
-    gradient is a sum along the row)."""
+def launch_config(width: int) -> LaunchConfig:
+    """The launch for rows of ``width``: this GPU's ``tuned.json`` entry over ``row_tiles``'s
+    default (a row wider than 1024 is walked by one program: the SwiGLU's weight gradient is a
+    sum along the row)."""
     return tuned_config("routed_experts", width, row_tiles(width))
 
 

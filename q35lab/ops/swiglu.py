@@ -63,7 +63,7 @@ import triton.language as tl
 from ._autograd import first_order_only
 from ._checks import check_float_tensor, check_like, check_same_device
 from ._compile import opaque_to_compile
-from ._tuned import tuned_fields
+from ._tuned import tuned_config
 from .lora import _check_projection_args, _check_scaling, _input_grad, _project_into, _scaled_product
 
 __all__ = [
@@ -235,21 +235,19 @@ class LaunchConfig:
     bwd_warps: int
 
 
-#: Set by a tuning script to try other configurations; None in normal use.
-CONFIG_OVERRIDE: LaunchConfig | None = None
-
 #: Elements per tile: 4096 bf16 elements = 8 KB per tensor per program.
 _TILE = 4096
 #: Narrowest column block: below it, lanes are masked off rather than laid out as tiny vectors.
 _MIN_COLS = 16
 
 
-def launch_config(width: int) -> LaunchConfig:
-    """The tile and warps used for rows of ``width`` (override, tuned entry, or the default)."""
-    return CONFIG_OVERRIDE if CONFIG_OVERRIDE is not None else _default_config(width)
-
-
 @functools.lru_cache(maxsize=64)  # host time matters at small T: decide once per width
+def launch_config(width: int) -> LaunchConfig:
+    """The tile and warps used for rows of ``width``: this GPU's ``tuned.json`` entry over the
+    default's other fields, else the default. A tuning script passes ``config=`` instead."""
+    return tuned_config("swiglu", width, _default_config(width))
+
+
 def _default_config(width: int) -> LaunchConfig:
     """Tiles of 4096 elements, 8 warps (16 values a thread per tensor: two 16-byte loads in
     bf16). Wide rows: column blocks of 2048 or 1024, whichever pads the row less (12288 →
@@ -258,9 +256,6 @@ def _default_config(width: int) -> LaunchConfig:
     "fused" 4.35-4.38, backward 4.29-4.31 at 12288 and 17408 — within 1 % of the best of the
     tiles tried; more values a thread cost up to half the "hf" forward (its IEEE division is
     long), and masked half-blocks (17408 in blocks of 2048) 3-6 %."""
-    tuned = tuned_fields("swiglu", width)
-    if tuned is not None and set(tuned) == {f.name for f in dataclasses.fields(LaunchConfig)}:
-        return LaunchConfig(**tuned)
     if width > 1024:
         block_cols = min((2048, 1024), key=lambda b: (_padding(width, b), -b))
     else:
