@@ -10,7 +10,7 @@
 #                                          # (a call of its own, last: the first call of 2026-12-01 ran the
 #                                          # tests first and lost the machine, with nothing returned)
 #   bash scripts/gpu_session.sh STAGE STAGE...  # several stages in one call, in order
-#   bash scripts/gpu_session.sh ops        # check and sweep the conv, SwiGLU, the delta-rule core and the q/k/v row copy
+#   bash scripts/gpu_session.sh ops        # tune the conv, then check and sweep it, SwiGLU, the delta-rule core and the row copy
 #   bash scripts/gpu_session.sh ops_new    # in_proj and the loss at every T, one run (notebooks 04/05 read one run a file)
 #   bash scripts/gpu_session.sh step       # q35lab's 9B step at 32k with its breakdown and floor
 #   bash scripts/gpu_session.sh peers      # PEFT + Liger, axolotl's recipe, PEFT at 9B/32k
@@ -54,8 +54,9 @@ e2e() {  # e2e SECONDS VARIANTS T ARGS...
 for stage in "$@"; do
 case $stage in
   tests) STEPS=tests TIMEOUT_tests=${TIMEOUT_tests:-330} bash scripts/gpu_run.sh ;;
-  ops) STEPS=check,bench OPS="causal_conv1d swiglu delta_rule contiguous_rows" BENCH_T="32768 131072" STEP_TIMEOUT=270 \
-           bash scripts/gpu_run.sh ;;
+  ops)  # the conv tuned first (scripts/tune_causal_conv1d.py, ~4 min: its tuned.json entry returns in results.tgz)
+    STEPS=tune,check,bench OPS="causal_conv1d swiglu delta_rule contiguous_rows" BENCH_T="32768 131072" \
+        TIMEOUT_tune=300 STEP_TIMEOUT=270 bash scripts/gpu_run.sh ;;
   ops_new)  # the rows notebooks 04 and 05 wait for: in_proj's "q35lab (z own buffer)", the loss's "pytorch, chunked"
     # every T: a run of some T only (3163503's) mixes two runs in files the notebooks read as one
     STEPS=check,bench OPS="in_proj linear_cross_entropy" STEP_TIMEOUT=270 bash scripts/gpu_run.sh ;;

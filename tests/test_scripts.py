@@ -63,3 +63,29 @@ def test_slim_bitsandbytes_keeps_the_cpu_and_cuda_13_libraries_only(tmp_path):
         kept = {n for n in z.namelist() if n.endswith(".so")}
         assert "bitsandbytes/__init__.py" in z.namelist()
     assert kept == {f"bitsandbytes/libbitsandbytes_{v}.so" for v in ("cpu", "cuda130", "cuda131")}
+
+
+def test_the_conv_tuning_keeps_the_fastest_tiles_of_the_fine_tune_and_their_best_split():
+    """scripts/tune_causal_conv1d.py: the forward's and the dx-only backward's fastest tiles are
+    saved, and the programs per SM of the trainable conv's backward at those same tiles (not of
+    its own fastest row, whose tiles may differ)."""
+    import pandas as pd
+
+    module = _load("tune_causal_conv1d")
+
+    def row(pass_, ms, **fields):
+        return dict(pass_=pass_, ms=ms, config=str(fields), **fields)
+
+    rows = pd.DataFrame([
+        row("fwd", 2.0, block_t=32, block_c=128, num_warps=4),
+        row("fwd", 1.5, block_t=64, block_c=64, num_warps=8),
+        row("bwd_dx", 3.0, bwd_block_t=32, bwd_block_c=64, bwd_warps=4),
+        row("bwd_dx", 2.5, bwd_block_t=16, bwd_block_c=128, bwd_warps=2),
+        row("bwd_dw", 1.0, bwd_block_t=32, bwd_block_c=64, bwd_warps=4, bwd_programs_per_sm=16),
+        row("bwd_dw", 4.0, bwd_block_t=16, bwd_block_c=128, bwd_warps=2, bwd_programs_per_sm=16),
+        row("bwd_dw", 3.5, bwd_block_t=16, bwd_block_c=128, bwd_warps=2, bwd_programs_per_sm=4),
+    ])
+    assert module.best_fields(rows) == dict(block_t=64, block_c=64, num_warps=8, bwd_block_t=16, bwd_block_c=128,
+                                            bwd_warps=2, bwd_programs_per_sm=4)
+    assert all(set(c) <= {f for f in module.op.LaunchConfig.__dataclass_fields__}
+               for options in module.CANDIDATES.values() for c in options)

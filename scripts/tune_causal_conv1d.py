@@ -1,0 +1,110 @@
+"""Tune the causal conv1d kernels on this GPU and record the best in q35lab/ops/tuned.json.
+
+The GatedDeltaNet's convolution at the real widths (C = 8192 for Qwen3.5-9B and the 35B-A3B,
+10240 for the 27B; K = 4 taps; SiLU; bf16; T = 32k tokens), three passes timed apart with
+``triton.testing.do_bench`` (median, L2 flushed), each candidate passed to the host functions
+as ``config=`` (the other fields from the heuristic default):
+
+* ``fwd``: y = silu(conv(x)), reading x and writing y once (2·T·C elements at the least);
+* ``bwd_dx``: dx alone, the LoRA fine-tune's case (the conv weight is frozen): dy and x read,
+  dx written (3·T·C);
+* ``bwd_dw``: dx, dW and the partial sums of a trainable conv (same bytes, plus the partials).
+
+The configuration with the least time per pass is saved for this GPU under the key ``"CxK"``.
+Candidates that spill registers are measured like the others (they lose).
+
+    python scripts/tune_causal_conv1d.py --out data/bench/<gpu>/causal_conv1d_tuning.csv
+"""
+
+import argparse
+import ast
+import dataclasses
+import itertools
+
+import pandas as pd
+import torch
+from triton.testing import do_bench
+
+from q35lab.bench import core
+from q35lab.ops import _tuned
+from q35lab.ops import causal_conv1d as op
+
+KERNEL_SIZE = 4
+
+BWD_TILES = [dict(bwd_block_t=t, bwd_block_c=c, bwd_warps=w)
+             for t, c, w in itertools.product([16, 32, 64], [32, 64, 128], [2, 4, 8])]
+CANDIDATES = {
+    "fwd": [dict(block_t=t, block_c=c, num_warps=w)
+            for t, c, w in itertools.product([16, 32, 64], [64, 128, 256], [2, 4, 8])],
+    "bwd_dx": BWD_TILES,
+    # the same tiles (one compile each), split over a few programs per SM: a runtime argument
+    "bwd_dw": [dict(tiles, bwd_programs_per_sm=p) for tiles in BWD_TILES for p in (4, 8, 16)],
+}
+#: Elements of [T, C] each pass must read and write at the least.
+TRAFFIC = {"fwd": 2, "bwd_dx": 3, "bwd_dw": 3}
+
+
+def calls(T: int, C: int):
+    """The three passes at ``T`` tokens and ``C`` channels, each a function of a config."""
+    x, dy = (torch.randn(1, T, C, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    w = 0.3 * torch.randn(C, KERNEL_SIZE, device="cuda", dtype=torch.bfloat16)
+    return {
+        "fwd": lambda config: op.causal_conv1d_fwd(x, w, None, None, True, config),
+        "bwd_dx": lambda config: op.causal_conv1d_bwd(dy, x, w, None, None, True, compute_dw=False,
+                                                      compute_db=False, config=config),
+        "bwd_dw": lambda config: op.causal_conv1d_bwd(dy, x, w, None, None, True, config=config),
+    }
+
+
+def measure(T: int, C: int, copy_gbps: float) -> pd.DataFrame:
+    """Every candidate of every pass at ``T`` tokens and ``C`` channels."""
+    base = op._default_config(C, KERNEL_SIZE)
+    passes = calls(T, C)
+    rows = []
+    for pass_, options in CANDIDATES.items():
+        for fields in options:
+            config = dataclasses.replace(base, **fields)
+            ms = do_bench(lambda: passes[pass_](config), return_mode="median")
+            gbps = TRAFFIC[pass_] * T * C * 2 / ms / 1e6
+            rows.append(dict(C=C, K=KERNEL_SIZE, T=T, pass_=pass_, ms=ms, gbps=gbps, pct_copy=100 * gbps / copy_gbps,
+                             copy_gbps=copy_gbps, config=str(fields),
+                             default=all(getattr(base, k) == v for k, v in fields.items()), **fields))
+    return pd.DataFrame(rows)
+
+
+def best_fields(at_width: pd.DataFrame) -> dict:
+    """The fine-tune's passes choose the tiles (its conv weight is frozen): the fastest forward
+    and dx-only backward; then a trainable conv's split of the token axis, with those tiles."""
+    best = {}
+    for pass_ in ("fwd", "bwd_dx"):
+        times = at_width[at_width.pass_ == pass_].set_index("config").ms
+        best.update(ast.literal_eval(times.idxmin()))
+    same_tiles = at_width[(at_width.pass_ == "bwd_dw") & (at_width.bwd_block_t == best["bwd_block_t"])
+                          & (at_width.bwd_block_c == best["bwd_block_c"]) & (at_width.bwd_warps == best["bwd_warps"])]
+    best["bwd_programs_per_sm"] = int(same_tiles.loc[same_tiles.ms.idxmin(), "bwd_programs_per_sm"])
+    return best
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--T", type=int, default=32768)
+    parser.add_argument("--channels", type=int, nargs="+", default=[8192, 10240])
+    args = parser.parse_args()
+    copy = core.measure_ceilings().copy_gbps
+    print(f"copy {copy:.0f} GB/s")
+    frames = []
+    for C in args.channels:  # each width saved as soon as it is measured: a call cut short keeps it
+        at_width = measure(args.T, C, copy)
+        frames.append(at_width)
+        pd.concat(frames).to_csv(args.out, index=False, float_format="%.5g")
+        best = best_fields(at_width)
+        _tuned.save("causal_conv1d", f"{C}x{KERNEL_SIZE}", best, torch.cuda.get_device_name())
+        top = at_width.loc[at_width.groupby("pass_").ms.idxmin()].set_index("pass_")
+        top["default ms"] = at_width[at_width.default].groupby("pass_").ms.min()
+        print(f"C = {C}: saved {best}")
+        print(top[["config", "ms", "default ms", "pct_copy"]].to_string())
+
+
+if __name__ == "__main__":
+    main()
