@@ -51,6 +51,14 @@ e2e() {  # e2e SECONDS VARIANTS T ARGS...
   local limit=$1 variants=$2 T=$3; shift 3
   STEPS=e2e E2E_VARIANTS="$variants" E2E_T="$T" E2E_ARGS="$*" TIMEOUT_e2e=$limit bash scripts/gpu_run.sh
 }
+beside_own_call() {  # beside_own_call FILE SECONDS VARIANTS T ARGS...: e2e's rows of this run joined to FILE
+  # beside every earlier call's (scripts/join_calls.py): merged straight in, a q35lab row replaced the
+  # baseline of an earlier call's options (2026-12-03)
+  local kept=data/bench/nvidia-h200/$1 call=${1%.csv}_call.csv; shift
+  rm -f data/bench/nvidia-h200/$call
+  E2E_OUT=$call e2e "$@"
+  python3 scripts/join_calls.py data/bench/nvidia-h200/$call "$kept"
+}
 for stage in "$@"; do
 case $stage in
   tests) STEPS=tests TIMEOUT_tests=${TIMEOUT_tests:-330} bash scripts/gpu_run.sh ;;
@@ -107,14 +115,9 @@ case $stage in
            # ~100-130k tokens with padding: q35lab 11 s a step, PEFT + Liger 19 s), each variant beside its
            # own packed row of the same call, in a file of their own: in end_to_end.csv a packed row of
            # this call would replace the packed pair that compares the variants within one run
-    rm -f data/bench/nvidia-h200/packed_vs_padded_call.csv
     for v in ${PADDED:-q35lab peft+liger peft+liger+axolotl peft}; do
-      for batch in packed padded; do
-        E2E_OUT=packed_vs_padded_call.csv e2e $([[ $batch == packed ]] && echo 150 || echo 240) $v 32768 \
-            --size 9b --steps 2 --batch $batch
-        python3 scripts/join_calls.py data/bench/nvidia-h200/packed_vs_padded_call.csv \
-            data/bench/nvidia-h200/packed_vs_padded.csv
-      done
+      beside_own_call packed_vs_padded.csv 150 $v 32768 --size 9b --steps 2 --batch packed
+      beside_own_call packed_vs_padded.csv 240 $v 32768 --size 9b --steps 2 --batch padded
     done
     ;;
   current_tf)  # the image's transformers 5.17 repeats q and k to 32 heads before fla (the step's largest copy) and
@@ -139,12 +142,8 @@ case $stage in
     # their own CSV: a plain q35lab row in end_to_end.csv would replace the headline's, measured beside the peers
     # LONG_COST="..." runs only those options, after q35lab (their baseline in the same call)
     costs=${LONG_COST:-q35lab+tiled q35lab+offload q35lab+long}
-    # This call's rows go to a file of their own first, then join long_context.csv beside the earlier calls'
-    # (a q35lab row merged straight in would replace the baseline of an earlier call's options: 2026-12-03)
-    rm -f data/bench/nvidia-h200/long_context_call.csv
     for v in q35lab $(printf '%s\n' $costs | grep -vx q35lab); do  # q35lab first, once, whatever LONG_COST lists
-      E2E_OUT=long_context_call.csv e2e 180 $v 32768 --size 9b --steps 3
-      python3 scripts/join_calls.py data/bench/nvidia-h200/long_context_call.csv data/bench/nvidia-h200/long_context.csv
+      beside_own_call long_context.csv 180 $v 32768 --size 9b --steps 3
     done
     ;;
   long)  # a step at 512k is predicted at ~4 min (attention alone ~190 s): one T fits a call

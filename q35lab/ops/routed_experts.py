@@ -40,7 +40,6 @@ Layering: ``_gather_rows_kernel``, ``_sum_slots_kernel``, ``_weighted_swiglu_*_k
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -120,6 +119,7 @@ def routing(top_k_index: torch.Tensor, num_experts: int) -> Routing:
 # Launch configuration: one tile size for the three streaming kernels.
 # --------------------------------------------------------------------------------------------
 LaunchConfig = RowTiles
+
 
 @functools.lru_cache(maxsize=64)
 def launch_config(width: int) -> LaunchConfig:
