@@ -4,6 +4,8 @@ Shapes are tiny (the interpreter is slow); small launch configurations make them
 token and channel tiles, so halos cross tile edges and dW/dbias are reduced over programs.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,8 +13,9 @@ from q35lab.numerics import agreement, assert_close_by_rule
 from q35lab.ops.causal_conv1d import LaunchConfig, causal_conv1d, causal_conv1d_ref, launch_config
 from q35lab.runtime import device
 
-#: Tiles of 4 tokens × 16 channels: T = 11 spans 3 tiles, C = 37 spans 3 channel blocks.
-SMALL = LaunchConfig(block_t=4, block_c=16, num_warps=1, bwd_block_t=4, bwd_block_c=16, bwd_warps=1,
+#: Tiles of 4 tokens × 16 channels: T = 11 spans 3 tiles, C = 37 spans 3 channel blocks. A
+#: backward tile of 8 tokens owns 8 - (K-1) of them (5 at K = 4: T = 11 spans 3 tiles again).
+SMALL = LaunchConfig(block_t=4, block_c=16, num_warps=1, bwd_block_t=8, bwd_block_c=16, bwd_warps=1,
                      bwd_programs_per_sm=1)
 
 
@@ -221,6 +224,19 @@ def test_mismatched_devices_and_bad_config_raise():
         causal_conv1d(torch.zeros(1, 4, 8, device="meta"), torch.zeros(8, 4))
     with pytest.raises(ValueError, match="LaunchConfig.block_t: expected a power of two"):
         LaunchConfig(block_t=3, block_c=16, num_warps=1, bwd_block_t=4, bwd_block_c=16, bwd_warps=1, bwd_programs_per_sm=1)
+    x, w, b, dy = _inputs(1, 9, 16, 8, torch.float32)
+    with pytest.raises(ValueError, match="config.bwd_block_t: expected at least K = 8"):
+        _check(x, w, b, dy, config=dataclasses.replace(SMALL, bwd_block_t=4))  # a tile of 4 would own none
+
+
+@pytest.mark.parametrize("programs_per_sm", [1, 64], ids=["walks tiles", "one tile a program"])
+def test_backward_tiles_owning_one_token(programs_per_sm):
+    """A backward tile of K tokens owns one: every dz it uses past that token comes from its own
+    registers, and dW/dbias count each token once across the overlapping tiles."""
+    one_owned = dataclasses.replace(SMALL, bwd_block_t=4, bwd_programs_per_sm=programs_per_sm)
+    _check(*_inputs(2, 7, 19, 4, torch.float32), config=one_owned)
+    x, w, b, dy, cu = _packed([2, 1, 4], 9, 4, torch.float32)
+    _check(x, w, b, dy, cu_seqlens=cu, config=one_owned)
 
 
 

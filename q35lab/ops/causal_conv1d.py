@@ -102,8 +102,9 @@ def causal_conv1d_ref(
 
 # --------------------------------------------------------------------------------------------
 # Kernels. A program owns a tile of BLOCK_T tokens × BLOCK_C channels (channels contiguous in
-# memory). The K-1 tokens of halo before the tile (and, in the backward, after it) are read by
-# shifted loads of the same tile: they hit L1/L2, so HBM sees x about once.
+# memory). The K-1 tokens of halo before the tile are read by shifted loads of the same tile:
+# they hit L1/L2, so HBM sees x about once. The backward's halo after the tile is dz's, moved
+# within registers (tl.gather).
 # SEQ_START[t] is the first token of t's sequence (0 without cu_seqlens): x[s] belongs to t's
 # window iff s >= SEQ_START[t], and dz[s] reaches dx[t] (s >= t) iff SEQ_START[s] <= t.
 # --------------------------------------------------------------------------------------------
@@ -195,6 +196,14 @@ def _grad_pre_activation(
 
 
 @triton.jit
+def _rows_ahead(s: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Row ``r + s`` for every row ``r`` of a tile, as an index for ``tl.gather`` along the rows
+    (which moves values between a program's threads); the last ``s`` rows get the tile's last
+    row, which callers mask."""
+    return tl.minimum(tl.arange(0, BLOCK_T) + s, BLOCK_T - 1)
+
+
+@triton.jit
 def _tap_product(x_base, stride_xt, dz, rows, start, row_ok, cols, col_mask, k: tl.constexpr, K: tl.constexpr):
     """``dz[t] · x[t-(K-1)+k]``: token t's share of ``dW[:, k]`` (x before the sequence = 0)."""
     src = rows - (K - 1) + k
@@ -234,9 +243,14 @@ def _causal_conv1d_bwd_kernel(
 ):
     """A program walks ``tiles_per_program`` consecutive token tiles of one channel block,
     keeping its share of dW and dbias in registers, and writes them once as fp32 partial rows.
-    dz at t+s (s < K) is recomputed per shift s: K² shifted loads of x (K more for dW), all
-    but about one a tile served by L1/L2. (Loading each of the 2K-1 distinct x rows once into
-    a [shift, token, channel] tile was measured twice as slow on an H200.)"""
+
+    dx at token t needs dz at t..t+K-1. A tile computes dz once at its BLOCK_T tokens and
+    *owns* the first ``BLOCK_T - (K-1)`` of them: the next tile starts at the first token it
+    does not own, so the tile's last K-1 tokens are computed again there (K-1 of BLOCK_T, 9% at
+    32). dz at t+s is this tile's dz moved up s rows by ``tl.gather``, where recomputing it per
+    shift would cost K pre-activations a token instead of one.
+    """
+    OWNED: tl.constexpr = BLOCK_T - (K - 1)
     pid_t = tl.program_id(0)
     b = tl.program_id(2)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -254,47 +268,45 @@ def _causal_conv1d_bwd_kernel(
     db_acc, dw0, dw1, dw2, dw3, dw4, dw5, dw6, dw7 = zero, zero, zero, zero, zero, zero, zero, zero, zero
 
     for i in range(tiles_per_program):
-        rows = (pid_t * tiles_per_program + i) * BLOCK_T + tl.arange(0, BLOCK_T)
+        local = tl.arange(0, BLOCK_T)
+        rows = (pid_t * tiles_per_program + i) * OWNED + local
         row_ok = rows < T
+        owned = row_ok & (local < OWNED)
         if HAS_SEQ:
             start = tl.load(SEQ_START + rows, mask=row_ok, other=0)
         else:
             start = tl.zeros([BLOCK_T], dtype=tl.int32)
-        # Shift 0: dz at the tile's own tokens feeds dW, dbias and the last tap of dx.
         dz = _grad_pre_activation(x_base, stride_xt, dy_base, stride_dyt, W, stride_wc, stride_wk, bias,
                                   rows, start, row_ok, cols, col_mask, K, SILU, BLOCK_T, BLOCK_C)
+        if COMPUTE_DB or COMPUTE_DW:
+            dz_owned = tl.where(owned[:, None], dz, 0.0)  # each token counted by one tile only
         if COMPUTE_DB:
-            db_acc += dz
+            db_acc += dz_owned
         if COMPUTE_DW:
-            dw0 += _tap_product(x_base, stride_xt, dz, rows, start, row_ok, cols, col_mask, 0, K)
+            dw0 += _tap_product(x_base, stride_xt, dz_owned, rows, start, owned, cols, col_mask, 0, K)
             if K > 1:
-                dw1 += _tap_product(x_base, stride_xt, dz, rows, start, row_ok, cols, col_mask, 1, K)
+                dw1 += _tap_product(x_base, stride_xt, dz_owned, rows, start, owned, cols, col_mask, 1, K)
             if K > 2:
-                dw2 += _tap_product(x_base, stride_xt, dz, rows, start, row_ok, cols, col_mask, 2, K)
+                dw2 += _tap_product(x_base, stride_xt, dz_owned, rows, start, owned, cols, col_mask, 2, K)
             if K > 3:
-                dw3 += _tap_product(x_base, stride_xt, dz, rows, start, row_ok, cols, col_mask, 3, K)
+                dw3 += _tap_product(x_base, stride_xt, dz_owned, rows, start, owned, cols, col_mask, 3, K)
             if K > 4:
-                dw4 += _tap_product(x_base, stride_xt, dz, rows, start, row_ok, cols, col_mask, 4, K)
+                dw4 += _tap_product(x_base, stride_xt, dz_owned, rows, start, owned, cols, col_mask, 4, K)
             if K > 5:
-                dw5 += _tap_product(x_base, stride_xt, dz, rows, start, row_ok, cols, col_mask, 5, K)
+                dw5 += _tap_product(x_base, stride_xt, dz_owned, rows, start, owned, cols, col_mask, 5, K)
             if K > 6:
-                dw6 += _tap_product(x_base, stride_xt, dz, rows, start, row_ok, cols, col_mask, 6, K)
+                dw6 += _tap_product(x_base, stride_xt, dz_owned, rows, start, owned, cols, col_mask, 6, K)
             if K > 7:
-                dw7 += _tap_product(x_base, stride_xt, dz, rows, start, row_ok, cols, col_mask, 7, K)
+                dw7 += _tap_product(x_base, stride_xt, dz_owned, rows, start, owned, cols, col_mask, 7, K)
         if COMPUTE_DX:
             dx = dz * _filter_tap(W, stride_wc, stride_wk, cols, col_mask, K - 1)[None, :]
             for s in tl.static_range(1, K):
-                dst = rows + s
-                dst_ok = dst < T
-                if HAS_SEQ:
-                    dst_start = tl.load(SEQ_START + dst, mask=dst_ok, other=0)
-                    dst_ok = dst_ok & (dst_start <= rows)  # dz[dst] belongs to another sequence
-                else:
-                    dst_start = tl.zeros([BLOCK_T], dtype=tl.int32)
-                dz_s = _grad_pre_activation(x_base, stride_xt, dy_base, stride_dyt, W, stride_wc, stride_wk, bias,
-                                            dst, dst_start, dst_ok, cols, col_mask, K, SILU, BLOCK_T, BLOCK_C)
+                ahead = _rows_ahead(s, BLOCK_T)
+                dz_s = tl.gather(dz, tl.broadcast_to(ahead[:, None], (BLOCK_T, BLOCK_C)), axis=0)  # 0 past T
+                if HAS_SEQ:  # dz at t+s belongs to a later sequence: it does not reach t
+                    dz_s = tl.where((tl.gather(start, ahead, axis=0) <= rows)[:, None], dz_s, 0.0)
                 dx += dz_s * _filter_tap(W, stride_wc, stride_wk, cols, col_mask, K - 1 - s)[None, :]
-            mask = row_ok[:, None] & col_mask[None, :]
+            mask = owned[:, None] & col_mask[None, :]
             tl.store(DX + b.to(tl.int64) * stride_dxb + rows.to(tl.int64)[:, None] * stride_dxt + cols[None, :],
                      dx.to(DX.dtype.element_ty), mask=mask)
 
@@ -359,7 +371,7 @@ def _default_config(C: int, K: int) -> LaunchConfig:
     block_c = min(128, triton.next_power_of_2(max(C, 1)))
     return LaunchConfig(
         block_t=32, block_c=block_c, num_warps=4,
-        bwd_block_t=32 if K <= 4 else 16, bwd_block_c=min(64, block_c), bwd_warps=4,
+        bwd_block_t=32, bwd_block_c=min(64, block_c), bwd_warps=4,
         bwd_programs_per_sm=8,
     )
 
@@ -430,7 +442,10 @@ def causal_conv1d_bwd(
         db = torch.zeros_like(bias) if compute_db else None
         return dx, dw, db
     config = config or launch_config(C, K)
-    n_tiles = triton.cdiv(T, config.bwd_block_t)
+    if config.bwd_block_t < K:
+        raise ValueError(f"config.bwd_block_t: expected at least K = {K} (a backward tile owns "
+                         f"bwd_block_t - (K-1) of its tokens), got {config.bwd_block_t}")
+    n_tiles = triton.cdiv(T, config.bwd_block_t - (K - 1))
     n_cblocks = triton.cdiv(C, config.bwd_block_c)
     if compute_dw or compute_db:
         programs = persistent_programs(x.device, config.bwd_programs_per_sm)
