@@ -8,9 +8,10 @@ as ``config=`` (the other fields from the heuristic default):
 * ``fwd``: y = silu(conv(x)), reading x and writing y once (2·T·C elements at the least);
 * ``bwd_dx``: dx alone, the LoRA fine-tune's case (the conv weight is frozen): dy and x read,
   dx written (3·T·C);
-* ``bwd_dw``: dx, dW and the partial sums of a trainable conv (same bytes, plus the partials).
+* ``bwd_dw``: dx, dW and the partial sums of a trainable conv (same bytes, plus the partials),
+  with tiles of its own (``dw_*``: it keeps K more fp32 tiles, and the dx-only tiles spill).
 
-The configuration with the least time per pass is saved for this GPU under the key ``"CxK"``.
+Each pass's fastest configuration is saved for this GPU under the key ``"CxK"``.
 Candidates that spill registers are measured like the others (they lose).
 
     python scripts/tune_causal_conv1d.py --out data/bench/<gpu>/causal_conv1d_tuning.csv
@@ -31,14 +32,13 @@ from q35lab.ops import causal_conv1d as op
 
 KERNEL_SIZE = 4
 
-BWD_TILES = [dict(bwd_block_t=t, bwd_block_c=c, bwd_warps=w)
-             for t, c, w in itertools.product([16, 32, 64], [32, 64, 128], [2, 4, 8])]
+TILES = list(itertools.product([16, 32, 64], [32, 64, 128], [2, 4, 8]))  # tokens, channels, warps
 CANDIDATES = {
     "fwd": [dict(block_t=t, block_c=c, num_warps=w)
             for t, c, w in itertools.product([16, 32, 64], [64, 128, 256], [2, 4, 8])],
-    "bwd_dx": BWD_TILES,
-    # the same tiles (one compile each), split over a few programs per SM: a runtime argument
-    "bwd_dw": [dict(tiles, bwd_programs_per_sm=p) for tiles in BWD_TILES for p in (4, 8, 16)],
+    "bwd_dx": [dict(bwd_block_t=t, bwd_block_c=c, bwd_warps=w) for t, c, w in TILES],
+    # each tile (one compile) split over a few programs per SM: a runtime argument
+    "bwd_dw": [dict(dw_block_t=t, dw_block_c=c, dw_warps=w, dw_programs_per_sm=p) for t, c, w in TILES for p in (4, 8, 16)],
 }
 #: Elements of [T, C] each pass must read and write at the least.
 TRAFFIC = {"fwd": 2, "bwd_dx": 3, "bwd_dw": 3}
@@ -73,15 +73,11 @@ def measure(T: int, C: int, copy_gbps: float) -> pd.DataFrame:
 
 
 def best_fields(at_width: pd.DataFrame) -> dict:
-    """The fine-tune's passes choose the tiles (its conv weight is frozen): the fastest forward
-    and dx-only backward; then a trainable conv's split of the token axis, with those tiles."""
+    """The fastest configuration of each pass, merged: the three passes set disjoint fields."""
     best = {}
-    for pass_ in ("fwd", "bwd_dx"):
+    for pass_ in CANDIDATES:
         times = at_width[at_width.pass_ == pass_].set_index("config").ms
         best.update(ast.literal_eval(times.idxmin()))
-    same_tiles = at_width[(at_width.pass_ == "bwd_dw") & (at_width.bwd_block_t == best["bwd_block_t"])
-                          & (at_width.bwd_block_c == best["bwd_block_c"]) & (at_width.bwd_warps == best["bwd_warps"])]
-    best["bwd_programs_per_sm"] = int(same_tiles.loc[same_tiles.ms.idxmin(), "bwd_programs_per_sm"])
     return best
 
 

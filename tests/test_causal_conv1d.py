@@ -14,9 +14,10 @@ from q35lab.ops.causal_conv1d import LaunchConfig, causal_conv1d, causal_conv1d_
 from q35lab.runtime import device
 
 #: Tiles of 4 tokens × 16 channels: T = 11 spans 3 tiles, C = 37 spans 3 channel blocks. A
-#: backward tile of 8 tokens owns 8 - (K-1) of them (5 at K = 4: T = 11 spans 3 tiles again).
+#: backward tile of 8 tokens owns 8 - (K-1) of them (5 at K = 4: T = 11 spans 3 tiles again);
+#: with dW its channel block is 8 wide.
 SMALL = LaunchConfig(block_t=4, block_c=16, num_warps=1, bwd_block_t=8, bwd_block_c=16, bwd_warps=1,
-                     bwd_programs_per_sm=1)
+                     dw_block_t=8, dw_block_c=8, dw_warps=1, dw_programs_per_sm=1)
 
 
 def _inputs(B, T, C, K, dtype, bias=True, w_shape="2d"):
@@ -223,18 +224,24 @@ def test_mismatched_devices_and_bad_config_raise():
     with pytest.raises(ValueError, match="one device"):
         causal_conv1d(torch.zeros(1, 4, 8, device="meta"), torch.zeros(8, 4))
     with pytest.raises(ValueError, match="LaunchConfig.block_t: expected a power of two"):
-        LaunchConfig(block_t=3, block_c=16, num_warps=1, bwd_block_t=4, bwd_block_c=16, bwd_warps=1, bwd_programs_per_sm=1)
+        dataclasses.replace(SMALL, block_t=3)
+    with pytest.raises(ValueError, match="LaunchConfig.dw_programs_per_sm: expected >= 1"):
+        dataclasses.replace(SMALL, dw_programs_per_sm=0)
     x, w, b, dy = _inputs(1, 9, 16, 8, torch.float32)
+    four = dataclasses.replace(SMALL, bwd_block_t=4, dw_block_t=4)  # a tile of 4 would own none at K = 8
     with pytest.raises(ValueError, match="config.bwd_block_t: expected at least K = 8"):
-        _check(x, w, b, dy, config=dataclasses.replace(SMALL, bwd_block_t=4))  # a tile of 4 would own none
+        _check(x, w, b, dy, config=four, grads=("x",))
+    with pytest.raises(ValueError, match="config.dw_block_t: expected at least K = 8"):
+        _check(x, w, b, dy, config=four)
 
 
 @pytest.mark.parametrize("programs_per_sm", [1, 64], ids=["walks tiles", "one tile a program"])
 def test_backward_tiles_owning_one_token(programs_per_sm):
     """A backward tile of K tokens owns one: every dz it uses past that token comes from its own
     registers, and dW/dbias count each token once across the overlapping tiles."""
-    one_owned = dataclasses.replace(SMALL, bwd_block_t=4, bwd_programs_per_sm=programs_per_sm)
+    one_owned = dataclasses.replace(SMALL, bwd_block_t=4, dw_block_t=4, dw_programs_per_sm=programs_per_sm)
     _check(*_inputs(2, 7, 19, 4, torch.float32), config=one_owned)
+    _check(*_inputs(2, 7, 19, 4, torch.float32), config=one_owned, grads=("x",))
     x, w, b, dy, cu = _packed([2, 1, 4], 9, 4, torch.float32)
     _check(x, w, b, dy, cu_seqlens=cu, config=one_owned)
 

@@ -67,9 +67,8 @@ def test_slim_bitsandbytes_keeps_the_cpu_and_cuda_13_libraries_only(tmp_path):
 
 
 def test_the_conv_tuning_keeps_the_fastest_tiles_of_the_fine_tune_and_their_best_split():
-    """scripts/tune_causal_conv1d.py: the forward's and the dx-only backward's fastest tiles are
-    saved, and the programs per SM of the trainable conv's backward at those same tiles (not of
-    its own fastest row, whose tiles may differ)."""
+    """scripts/tune_causal_conv1d.py: each pass's fastest configuration is saved, the trainable
+    conv's backward (dW) with tiles of its own, whatever the dx-only backward chose."""
     module = _load("tune_causal_conv1d")
 
     def row(pass_, ms, **fields):
@@ -80,12 +79,12 @@ def test_the_conv_tuning_keeps_the_fastest_tiles_of_the_fine_tune_and_their_best
         row("fwd", 1.5, block_t=64, block_c=64, num_warps=8),
         row("bwd_dx", 3.0, bwd_block_t=32, bwd_block_c=64, bwd_warps=4),
         row("bwd_dx", 2.5, bwd_block_t=16, bwd_block_c=128, bwd_warps=2),
-        row("bwd_dw", 1.0, bwd_block_t=32, bwd_block_c=64, bwd_warps=4, bwd_programs_per_sm=16),
-        row("bwd_dw", 4.0, bwd_block_t=16, bwd_block_c=128, bwd_warps=2, bwd_programs_per_sm=16),
-        row("bwd_dw", 3.5, bwd_block_t=16, bwd_block_c=128, bwd_warps=2, bwd_programs_per_sm=4),
+        row("bwd_dw", 1.0, dw_block_t=32, dw_block_c=64, dw_warps=4, dw_programs_per_sm=16),
+        row("bwd_dw", 4.0, dw_block_t=16, dw_block_c=128, dw_warps=2, dw_programs_per_sm=16),
+        row("bwd_dw", 3.5, dw_block_t=16, dw_block_c=128, dw_warps=2, dw_programs_per_sm=4),
     ])
     assert module.best_fields(rows) == dict(block_t=64, block_c=64, num_warps=8, bwd_block_t=16, bwd_block_c=128,
-                                            bwd_warps=2, bwd_programs_per_sm=4)
+                                            bwd_warps=2, dw_block_t=32, dw_block_c=64, dw_warps=4, dw_programs_per_sm=16)
     assert all(set(c) <= {f for f in module.op.LaunchConfig.__dataclass_fields__}
                for options in module.CANDIDATES.values() for c in options)
 

@@ -342,18 +342,22 @@ class LaunchConfig:
     block_t: int  # forward tile: tokens (power of two)
     block_c: int  # forward tile: channels (power of two)
     num_warps: int
-    bwd_block_t: int
+    bwd_block_t: int  # backward, dx alone (a frozen conv weight, as in LoRA): tokens, >= K
     bwd_block_c: int
     bwd_warps: int
-    bwd_programs_per_sm: int  # with dW/dbias: programs per multiprocessor, each walking many tiles
+    dw_block_t: int  # backward with dW or dbias: it also holds K dW tiles, so smaller tiles win
+    dw_block_c: int
+    dw_warps: int
+    dw_programs_per_sm: int  # with dW/dbias: programs per multiprocessor, each walking many tiles
 
     def __post_init__(self):
-        for name in ("block_t", "block_c", "bwd_block_t", "bwd_block_c", "num_warps", "bwd_warps"):
+        for name in ("block_t", "block_c", "num_warps", "bwd_block_t", "bwd_block_c", "bwd_warps",
+                     "dw_block_t", "dw_block_c", "dw_warps"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"LaunchConfig.{name}: expected a power of two, got {value}")
-        if self.bwd_programs_per_sm < 1:
-            raise ValueError(f"LaunchConfig.bwd_programs_per_sm: expected >= 1, got {self.bwd_programs_per_sm}")
+        if self.dw_programs_per_sm < 1:
+            raise ValueError(f"LaunchConfig.dw_programs_per_sm: expected >= 1, got {self.dw_programs_per_sm}")
 
 
 @functools.lru_cache(maxsize=64)
@@ -366,13 +370,14 @@ def launch_config(C: int, K: int) -> LaunchConfig:
 
 def _default_config(C: int, K: int) -> LaunchConfig:
     """Forward tiles of 32 tokens × 128 channels (256 contiguous bytes a token in bf16, 32
-    values a thread at 4 warps), backward 32 × 64 (it holds dz, dx and the dW tiles); narrower C
-    shrinks the channel block. Larger tiles spilled registers in the sweep (10-50× slower)."""
+    values a thread at 4 warps), backward 32 × 64 for dx alone and 16 × 64 with dW (which keeps
+    K more fp32 tiles); narrower C shrinks the channel block. Larger tiles spilled registers in
+    the sweeps (2-50× slower)."""
     block_c = min(128, triton.next_power_of_2(max(C, 1)))
     return LaunchConfig(
         block_t=32, block_c=block_c, num_warps=4,
         bwd_block_t=32, bwd_block_c=min(64, block_c), bwd_warps=4,
-        bwd_programs_per_sm=8,
+        dw_block_t=16, dw_block_c=min(64, block_c), dw_warps=4, dw_programs_per_sm=8,
     )
 
 
@@ -442,13 +447,17 @@ def causal_conv1d_bwd(
         db = torch.zeros_like(bias) if compute_db else None
         return dx, dw, db
     config = config or launch_config(C, K)
-    if config.bwd_block_t < K:
-        raise ValueError(f"config.bwd_block_t: expected at least K = {K} (a backward tile owns "
-                         f"bwd_block_t - (K-1) of its tokens), got {config.bwd_block_t}")
-    n_tiles = triton.cdiv(T, config.bwd_block_t - (K - 1))
-    n_cblocks = triton.cdiv(C, config.bwd_block_c)
-    if compute_dw or compute_db:
-        programs = persistent_programs(x.device, config.bwd_programs_per_sm)
+    with_partials = compute_dw or compute_db
+    block_t, block_c, warps = ((config.dw_block_t, config.dw_block_c, config.dw_warps) if with_partials
+                               else (config.bwd_block_t, config.bwd_block_c, config.bwd_warps))
+    if block_t < K:
+        field = "dw_block_t" if with_partials else "bwd_block_t"
+        raise ValueError(f"config.{field}: expected at least K = {K} (a backward tile owns "
+                         f"{field} - (K-1) of its tokens), got {block_t}")
+    n_tiles = triton.cdiv(T, block_t - (K - 1))
+    n_cblocks = triton.cdiv(C, block_c)
+    if with_partials:
+        programs = persistent_programs(x.device, config.dw_programs_per_sm)
         t_programs = max(1, min(n_tiles, programs // (n_cblocks * B)))
         tiles_per_program = triton.cdiv(n_tiles, t_programs)
         t_programs = triton.cdiv(n_tiles, tiles_per_program)
@@ -468,7 +477,7 @@ def causal_conv1d_bwd(
         weight2d.stride(0), weight2d.stride(1), tiles_per_program,
         K=K, HAS_BIAS=bias is not None, HAS_SEQ=seq_start is not None,
         SILU=silu, COMPUTE_DX=compute_dx, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
-        BLOCK_T=config.bwd_block_t, BLOCK_C=config.bwd_block_c, num_warps=config.bwd_warps,
+        BLOCK_T=block_t, BLOCK_C=block_c, num_warps=warps,
     )
     dw = sum_partials(dw_partial, weight2d.dtype).view(C, K) if compute_dw else None
     db = sum_partials(db_partial, bias.dtype) if compute_db else None
