@@ -235,6 +235,17 @@ def test_mismatched_devices_and_bad_config_raise():
         _check(x, w, b, dy, config=four)
 
 
+def test_long_fp32_weight_and_bias_gradients_keep_sequential_sums_short(monkeypatch):
+    """dW and dbias in fp32 over many tiles: each program sums at most MAX_TILES_PER_PROGRAM of
+    them, however few programs the launch would give (here one), and the rule holds."""
+    import q35lab.ops.causal_conv1d as op
+    monkeypatch.setattr(op, "persistent_programs", lambda device, per_sm: 1)
+    one_token_tiles = dataclasses.replace(SMALL, dw_block_t=4, dw_block_c=8)  # K = 4: a tile owns one token
+    x, w, b, dy = _inputs(1, 1000, 6, 4, torch.float32)
+    x, dy = 4 * x + 3, dy + 2  # a biased dz: its sum over 1000 tokens is large, as in a real step
+    _check(x, w, b, dy, config=one_token_tiles, grads=("w", "b"))
+
+
 @pytest.mark.parametrize("programs_per_sm", [1, 64], ids=["walks tiles", "one tile a program"])
 def test_backward_tiles_owning_one_token(programs_per_sm):
     """A backward tile of K tokens owns one: every dz it uses past that token comes from its own

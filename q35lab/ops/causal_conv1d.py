@@ -60,6 +60,11 @@ __all__ = [
 
 #: Widest filter supported (the kernels unroll over it).
 MAX_KERNEL_SIZE = 8
+#: Tiles one backward program sums dW/dbias over, at most: each fp32 accumulator element adds one
+#: value a tile in sequence, and at 2,500 tiles over 8 programs (32k tokens) dbias in fp32 fell
+#: outside the numerics rule on an H200; more programs keep the sequential sums short, and their
+#: partial rows are summed pairwise-ish by sum_partials.
+MAX_TILES_PER_PROGRAM = 32
 #: Activation names accepted, as transformers' ``config.hidden_act`` / fla spell them.
 ACTIVATIONS = (None, "silu", "swish")
 
@@ -459,7 +464,7 @@ def causal_conv1d_bwd(
     if with_partials:
         programs = persistent_programs(x.device, config.dw_programs_per_sm)
         t_programs = max(1, min(n_tiles, programs // (n_cblocks * B)))
-        tiles_per_program = triton.cdiv(n_tiles, t_programs)
+        tiles_per_program = min(MAX_TILES_PER_PROGRAM, triton.cdiv(n_tiles, t_programs))
         t_programs = triton.cdiv(n_tiles, tiles_per_program)
     else:
         t_programs, tiles_per_program = n_tiles, 1
