@@ -26,7 +26,7 @@ OPS=${OPS:-offset_rms_norm}
 NOTEBOOKS=${NOTEBOOKS:-*.ipynb}
 # Each wheel folder once per machine (a later call on a warm machine reuses them), marked as done
 # folder by folder: a call that carries .whl-peers after one that did not still installs it
-for folder in .whl .whl-peers .whl-notebooks .whl-tf; do  # .whl-tf last: its transformers replaces the image's
+for folder in .whl .whl-peers .whl-notebooks .whl-unsloth .whl-tf; do  # .whl-tf last: its transformers replaces the image's
   [[ -d $folder ]] || continue
   marker=/tmp/site/.installed$folder-$(ls $folder | md5sum | cut -c1-12)  # other wheels in it: installed again
   [[ -e $marker ]] && continue

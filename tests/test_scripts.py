@@ -55,6 +55,19 @@ def test_a_file_belongs_to_the_model_folder_it_sits_in(name, folder):
     assert _load("slim_transformers")._model_folder(name) == folder
 
 
+def test_slim_unsloth_drops_the_studio_app_and_cli_only(tmp_path):
+    slim = _load("slim_unsloth")
+    files = ["unsloth/__init__.py", "unsloth/kernels/fast_lora.py", "studio/frontend/app.js", "studio/backend/main.py",
+             "unsloth_cli/commands/train.py", "unsloth-0.0.dist-info/METADATA"]
+    out = slim.slim(_fake_wheel(tmp_path / "unsloth-0.0-py3-none-any.whl", files), tmp_path / "out")
+    with zipfile.ZipFile(out) as z:
+        names = set(z.namelist())
+        record = z.read("transformers-0.0.dist-info/RECORD").decode()
+    assert names - {"transformers-0.0.dist-info/RECORD"} == {"unsloth/__init__.py", "unsloth/kernels/fast_lora.py",
+                                                             "unsloth-0.0.dist-info/METADATA"}
+    assert "studio/" not in record and "unsloth_cli/" not in record and "unsloth/__init__.py" in record
+
+
 def test_slim_bitsandbytes_keeps_the_cpu_and_cuda_13_libraries_only(tmp_path):
     slim = _load("slim_bitsandbytes")
     libraries = [f"bitsandbytes/libbitsandbytes_{v}.so" for v in ("cpu", "cuda130", "cuda131", "cuda128", "rocm62")]

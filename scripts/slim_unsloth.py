@@ -1,0 +1,29 @@
+"""Repack an Unsloth wheel without its Studio app, for a device call's carry (issue 15, item 3).
+
+Unsloth 2026.10.9's wheel is 28.6 MB, 24.4 MB of it ``studio/`` (a web frontend and backend)
+beside ``unsloth_cli/``; ``unsloth/`` imports neither. Without them the wheel is about 2.5 MB,
+and with unsloth_zoo (2.9 MB) the pair fits beside ``.whl`` in the 64 MiB a call carries.
+Its other imports (trl, datasets, tyro, xformers) are not in this set: the device image's are
+untried (Unsloth refuses to import without a CUDA GPU, so nothing of it runs on a CPU machine).
+
+    python3 -m pip download --no-deps unsloth unsloth_zoo -d /tmp/unsloth
+    python3 scripts/slim_unsloth.py /tmp/unsloth/unsloth-*.whl .whl-unsloth/
+    cp /tmp/unsloth/unsloth_zoo-*.whl .whl-unsloth/
+"""
+
+import sys
+from pathlib import Path
+
+from _wheel import repack
+
+DROP = ("studio/", "unsloth_cli/")
+
+
+def slim(wheel: Path, out_dir: Path) -> Path:
+    """Copy ``wheel`` to ``out_dir`` without the top-level folders DROP names."""
+    return repack(wheel, out_dir, lambda name: name.startswith(DROP))
+
+
+if __name__ == "__main__":
+    path = slim(Path(sys.argv[1]), Path(sys.argv[2]))
+    print(f"{path}: {path.stat().st_size / 1e6:.1f} MB")
