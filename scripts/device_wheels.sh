@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Fill the git-ignored wheel folders a device call carries (scripts/gpu_run.sh installs each one it
+# finds). The H200 machine reaches no registry; one call carries at most 64 MiB, so the wheels come
+# in folders a call picks from:
+#
+#   .whl            the slim Triton 3.7.1 (fla's core on Hopper), fla, Liger, cut-cross-entropy  ~50 MB
+#   .whl-peers      axolotl 0.21, its bitsandbytes slimmed to CUDA 13, and what axolotl's Liger
+#                   integration imports (addict, pydantic and its dependencies)                  ~10 MB
+#   .whl-notebooks  nbmake and a Jupyter kernel with their dependencies                           ~8 MB
+#   .whl-unsloth    Unsloth without its Studio app, and unsloth_zoo                               ~5 MB
+#
+#   bash scripts/device_wheels.sh           # from the project root, on a machine with PyPI; ~7 min
+#                                           # (the Triton's strip and xz on two cores)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+plat=(--only-binary=:all: --python-version 3.12 --implementation cp
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any)
+dl() { local dest=$1; shift; python3 -m pip download -q "${plat[@]}" -d "$dest" "$@" 2>&1 | grep -v '^WARNING' || true; }
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+
+# .whl: the shared tool also downloads nbmake and ipykernel there; they move to .whl-notebooks
+[[ -s .whl/triton-3.7.1-slim.tar.xz ]] || bash ../shared/tools/gpu-wheels.sh --triton
+mkdir -p .whl-notebooks
+for wheel in .whl/*.whl; do
+  case $(basename "$wheel") in
+    liger_kernel-*|flash_linear_attention-*|fla_core-*|cut_cross_entropy-*) ;;
+    *) mv "$wheel" .whl-notebooks/ ;;
+  esac
+done
+[[ -n $(ls .whl-notebooks) ]] || { dl .whl-notebooks nbmake==1.5.5 ipykernel; }
+
+# .whl-peers: pydantic 2.14 wants a newer typing_extensions than the image's: it travels too
+mkdir -p .whl-peers
+dl .whl-peers --no-deps axolotl==0.21.0 addict pydantic pydantic-core annotated-types typing-inspection typing-extensions
+dl "$tmp" --no-deps bitsandbytes==0.50.2
+python3 scripts/slim_bitsandbytes.py "$tmp"/bitsandbytes-*.whl .whl-peers/
+
+# .whl-unsloth (scripts/slim_unsloth.py says what is dropped)
+mkdir -p .whl-unsloth
+dl "$tmp/u" --no-deps unsloth unsloth_zoo
+python3 scripts/slim_unsloth.py "$tmp"/u/unsloth-*.whl .whl-unsloth/
+cp "$tmp"/u/unsloth_zoo-*.whl .whl-unsloth/
+
+du -sh .whl .whl-peers .whl-notebooks .whl-unsloth
