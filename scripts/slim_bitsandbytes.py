@@ -3,7 +3,8 @@
 The device tool carries at most 64 MiB of ignored paths; bitsandbytes' wheel (43 MB) ships a
 library for every CUDA, ROCm and XPU release. axolotl's LoRA kernels import it (for QLoRA
 dequantisation, which a bf16 base never calls), so the LoRA and in_proj benches need it. Keeping
-the CPU and CUDA 13.x libraries (torch 2.11+cu130 there) leaves about 8 MB.
+the CPU and CUDA 13.0 libraries (torch 2.11+cu130 there: bitsandbytes loads the one of
+torch's CUDA) leaves about 5 MB.
 
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_24_x86_64 bitsandbytes -d /tmp/bnb
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from _wheel import repack
 
-KEEP = re.compile(r"libbitsandbytes_(cpu|cuda13\d)\.so$")
+KEEP = re.compile(r"libbitsandbytes_(cpu|cuda130)\.so$")
 
 
 def slim(wheel: Path, out_dir: Path) -> Path:

@@ -76,7 +76,7 @@ def test_slim_bitsandbytes_keeps_the_cpu_and_cuda_13_libraries_only(tmp_path):
     with zipfile.ZipFile(out) as z:
         kept = {n for n in z.namelist() if n.endswith(".so")}
         assert "bitsandbytes/__init__.py" in z.namelist()
-    assert kept == {f"bitsandbytes/libbitsandbytes_{v}.so" for v in ("cpu", "cuda130", "cuda131")}
+    assert kept == {f"bitsandbytes/libbitsandbytes_{v}.so" for v in ("cpu", "cuda130")}
 
 
 def test_the_conv_tuning_keeps_the_fastest_tiles_of_the_fine_tune_and_their_best_split():
