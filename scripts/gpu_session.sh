@@ -33,6 +33,7 @@
 #                                          # (world size 1 on one H200: the sharded code path, measured)
 #   bash scripts/gpu_session.sh long_cost  # q35lab and each long-context option at 32k (their cost)
 #   LONG_T="T..." bash scripts/gpu_session.sh long  # q35lab+long at each T until one fits
+#   bash scripts/gpu_session.sh unsloth    # Unsloth's LoRA path, q35lab and PEFT + Liger at 9B/32k (unsloth.csv; .whl-unsloth)
 #   bash scripts/gpu_session.sh notebooks  # every notebook executed (outputs kept)
 #
 # The first step that trains a model at a new shape spends 60-130 s in fla's autotuning (cached for
@@ -44,7 +45,7 @@
 # The device's copy of the tree is current but its git metadata can be stale: on 2026-12-01 its
 # git said 5830af9+dirty for a tree that was 358bb36.
 set -uo pipefail
-[[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|ops_new|step|peers|peers_at|ablation|sizes9b|floors|big35|big27|packed|padded|current_tf|flex|long_cost|long|fsdp|notebooks ..."; exit 2; }
+[[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|ops_new|step|peers|peers_at|ablation|sizes9b|floors|big35|big27|packed|padded|current_tf|flex|long_cost|long|fsdp|unsloth|notebooks ..."; exit 2; }
 [[ -n ${Q35LAB_COMMIT:-} ]] || echo "warning: Q35LAB_COMMIT is not set: the rows take the device's git metadata, which can be stale"
 csv=data/bench/nvidia-h200/end_to_end.csv
 e2e() {  # e2e SECONDS VARIANTS T ARGS...
@@ -166,6 +167,11 @@ EOF
         python3 -m torch.distributed.run --standalone --nproc_per_node="$gpus" scripts/fsdp2_step.py \
         --size 9b --T 32768 --steps 2 --variant $v --out data/bench/nvidia-h200/fsdp2_step.jsonl 2>&1 | tail -n 5
     done
+    ;;
+  unsloth)  # Unsloth's Qwen3.5 LoRA path (carry .whl-unsloth, not .whl-peers) beside q35lab and PEFT + Liger of the
+            # same call, in a file of their own (rows of these two in end_to_end.csv would replace the headline run's);
+            # Unsloth writes the 9B as an 18 GB checkpoint, loads it and compiles each decoder layer before its first step
+    for v in ${UNSLOTH_VARIANTS:-unsloth q35lab peft+liger}; do E2E_OUT=unsloth.csv e2e 300 $v 32768 --size 9b --steps 3; done
     ;;
   notebooks) STEPS=notebooks TIMEOUT_notebooks=280 bash scripts/gpu_run.sh ;;
   *) echo "unknown stage $stage"; exit 2 ;;

@@ -847,3 +847,37 @@ def test_merge_leftovers_keeps_the_rows_a_killed_parent_left_in_its_jsonl(tmp_pa
     assert rows.step_ms.to_dict() == {"peft": 5700.0, "q35lab": 3561.5} and not lines.exists()
     before = out.read_text()
     assert e2e.main(["--merge-leftovers", "--out", str(out)]) == 0 and out.read_text() == before
+
+
+def test_unsloth_row_says_why_it_did_not_run_without_a_gpu(tmp_path):
+    """Unsloth's training path needs a CUDA GPU: on a CPU its row is kept, "skipped", with the reason."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU machine runs the variant itself")
+    out = tmp_path / "end_to_end.csv"
+    assert e2e.main(["--variants", "unsloth", "--size", "tiny", "--T", "16", "--steps", "1", "--warmup", "0",
+                     "--out", str(out)]) == 0
+    import pandas as pd
+
+    row = pd.read_csv(out).iloc[0]
+    assert (row.variant, row["T"], row["size"], row.status) == ("unsloth", 16, "tiny", "skipped")
+    assert "needs a CUDA GPU" in row.note
+
+
+def test_unsloth_checkpoint_loads_back_as_the_same_model(tmp_path):
+    """The checkpoint the Unsloth variant loads holds the seeded weights of the other variants, and
+    a tokenizer that transformers' loader accepts."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from q35lab.bench.e2e import model as e2e_model
+    from q35lab.bench.e2e.unsloth import write_checkpoint
+
+    torch.manual_seed(int(torch.randint(0, 2**31, ())))  # fresh weights each run
+    built = AutoModelForCausalLM.from_config(e2e_model.config("tiny", layers=4), dtype=torch.bfloat16)
+    folder = write_checkpoint(built, tmp_path / "ckpt")
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    assert type(loaded) is type(built) and loaded.config.architectures == [type(built).__name__]
+    theirs = dict(loaded.named_parameters())
+    for name, p in built.named_parameters():
+        assert torch.equal(theirs[name], p), name
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token_id == 0

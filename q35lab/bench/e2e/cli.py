@@ -114,22 +114,42 @@ def _write_line(path, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
+def _built(args, device):
+    """The variant's LoRA model: ``build``'s, or for "unsloth" the same weights through Unsloth's loader."""
+    if args.variant != "unsloth":
+        return build(args.size, args.layers, args.rank, device=device, attention=args.attention)
+    import tempfile
+
+    from . import unsloth
+
+    if device.type != "cuda":
+        raise ImportError("unsloth: its training path needs a CUDA GPU", name="unsloth (needs a CUDA GPU)")
+    import shutil
+
+    folder = Path(tempfile.mkdtemp(prefix=f"q35lab-unsloth-{args.size}-"))
+    try:
+        return unsloth.build(args.size, args.layers, args.rank, max(_sizes(args)), folder)
+    finally:  # loaded onto the GPU: the checkpoint (18 GB at 9B) is not read again
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def _one_variant(args) -> None:
     """Runs in its own process: build, patch, measure every T, append JSON lines to --out."""
     # a time limit ends a run with SIGTERM: say where it was (then die as SIGTERM would)
     faulthandler.register(signal.SIGTERM, all_threads=False, chain=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:  # (before transformers is imported here: Unsloth patches it as it is imported)
+        model = _built(args, device)
+        report, missing = prepare(model, args.variant, tokens=max(_sizes(args))), ""
+    except ImportError as exc:  # a peer that is not installed is a row that says so
+        model, report, missing = None, None, f"not installed: {exc.name or exc}"
     import transformers
 
     info = {**run_info(), "transformers": transformers.__version__}  # a step's rows name the transformers that ran
-    model = build(args.size, args.layers, args.rank, device=device, attention=args.attention)
-    try:
-        report, missing = prepare(model, args.variant, tokens=max(_sizes(args))), ""
-    except ImportError as exc:  # a peer that is not installed is a row that says so
-        report, missing = None, f"not installed: {exc.name or exc}"
     for T in _sizes(args):
         key = {"variant": args.variant + ("+compile" if args.compile else ""), "T": T,
-               **_row_key(args, model.config.get_text_config().num_hidden_layers), "rank": args.rank}
+               **_row_key(args, None if model is None else model.config.get_text_config().num_hidden_layers),
+               "rank": args.rank}
         row = {**key, "status": "skipped" if missing else "ok", "note": missing,
                "report": report_text(report)}
         if not missing:

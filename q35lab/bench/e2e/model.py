@@ -59,11 +59,17 @@ def build(size: str = "h200", layers: int | None = None, rank: int = 16, device=
                                                  **({"attn_implementation": attention} if attention else {}))
     model = peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
                                                        modules_to_save=modules_to_save))
-    with torch.no_grad():  # LoRA starts with B = 0; a non-zero B makes the adapters' path count
-        generator = torch.Generator(device="cpu").manual_seed(seed + 1)
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=generator) * 0.01)
+    init_lora_b(model, seed)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def init_lora_b(model, seed: int = 0) -> None:
+    """LoRA starts with B = 0; a non-zero B (seeded, the same for every variant) makes the
+    adapters' path count in the loss and its gradients."""
+    generator = torch.Generator(device="cpu").manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.01)

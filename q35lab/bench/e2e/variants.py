@@ -27,6 +27,8 @@ VARIANTS = {
     "peft+liger+axolotl": "PEFT + axolotl 0.21's Qwen3.5 recipe with its Liger plugin: Liger's RMSNorm and fused linear "
                           "cross entropy, axolotl's LoRA kernels and gated norm; Liger's SwiGLU MLP is built but "
                           "axolotl's LoRA_MLP, bound later, replaces its forward (see _axolotl_patches)",
+    "unsloth": "Unsloth's Qwen3.5 LoRA path: the same weights saved and loaded by FastLanguageModel (bf16), "
+               "get_peft_model on every linear layer, its offloaded gradient checkpointing (see e2e/unsloth.py)",
     "q35lab": "PEFT + q35lab.apply_to_qwen3_5, every optimization",
     **{f"q35lab:{flag}": f"PEFT + q35lab, only {flag}" for flag in ALL_FLAGS},
     **{f"q35lab-{flag}": f"PEFT + q35lab, every optimization but {flag}" for flag in ALL_FLAGS},
@@ -40,7 +42,7 @@ def prepare(model, variant: str, tokens: int | None = None):
     if variant not in VARIANTS:
         raise ValueError(f"variant: expected one of {sorted(VARIANTS)}, got {variant!r}")
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if variant == "peft":
+    if variant in ("peft", "unsloth"):  # Unsloth's model comes patched from its own loader (cli._one_variant)
         return None
     if variant == "peft+liger":  # Liger has one entry point for the dense models, one for the MoE
         from liger_kernel import transformers as liger
