@@ -7,7 +7,7 @@
 #   .whl-peers      axolotl 0.21, its bitsandbytes slimmed to CUDA 13, and what axolotl's Liger
 #                   integration imports (addict, pydantic and its dependencies)                  ~10 MB
 #   .whl-notebooks  nbmake and a Jupyter kernel with their dependencies                           ~8 MB
-#   .whl-unsloth    Unsloth without its Studio app, unsloth_zoo, and trl and datasets, which it imports  ~7 MB
+#   .whl-unsloth    Unsloth without its Studio app, unsloth_zoo, trl, datasets and bitsandbytes      ~11 MB
 #
 #   bash scripts/device_wheels.sh           # from the project root, on a machine with PyPI; ~7 min
 #                                           # (the Triton's strip and xz on two cores)
@@ -43,5 +43,6 @@ python3 scripts/slim_unsloth.py "$tmp"/u/unsloth-*.whl .whl-unsloth/
 cp "$tmp"/u/unsloth_zoo-*.whl .whl-unsloth/
 # what `import unsloth` imports that the device image lacks (it has pyarrow, xxhash, sentencepiece, torchvision)
 dl .whl-unsloth --no-deps "trl<=1.15.0" "datasets<5" "dill<0.4.2" "multiprocess<0.70.20"
+cp .whl-peers/bitsandbytes-*.whl .whl-unsloth/  # its get_peft_model asks for it, also without 4-bit weights
 
 du -sh .whl .whl-peers .whl-notebooks .whl-unsloth

@@ -3,8 +3,8 @@
 Unsloth 2026.10.9's wheel is 28.6 MB, 24.4 MB of it ``studio/`` (a web frontend and backend)
 beside ``unsloth_cli/``; ``unsloth/`` imports neither. Without them the wheel is about 2.5 MB,
 and with unsloth_zoo (2.9 MB) the pair fits beside ``.whl`` in the 64 MiB a call carries.
-What ``import unsloth`` needs beyond the device image (trl, datasets, dill, multiprocess)
-travels beside it in ``.whl-unsloth`` (scripts/device_wheels.sh).
+What Unsloth needs beyond the device image (trl, datasets, dill, multiprocess, and bitsandbytes,
+which its ``get_peft_model`` asks for even without 4-bit weights) travels beside it in ``.whl-unsloth`` (scripts/device_wheels.sh).
 
     python3 -m pip download --no-deps unsloth unsloth_zoo -d /tmp/unsloth
     python3 scripts/slim_unsloth.py /tmp/unsloth/unsloth-*.whl .whl-unsloth/
