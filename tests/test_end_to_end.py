@@ -868,11 +868,10 @@ def test_unsloth_checkpoint_loads_back_as_the_same_model(tmp_path):
     a tokenizer that transformers' loader accepts."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from q35lab.bench.e2e import model as e2e_model
+    from q35lab.bench.e2e.model import base_model
     from q35lab.bench.e2e.unsloth import write_checkpoint
 
-    torch.manual_seed(int(torch.randint(0, 2**31, ())))  # fresh weights each run
-    built = AutoModelForCausalLM.from_config(e2e_model.config("tiny", layers=4), dtype=torch.bfloat16)
+    built = base_model("tiny", layers=4, seed=int(torch.randint(0, 2**31, ())))  # fresh weights each run
     folder = write_checkpoint(built, tmp_path / "ckpt")
     loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
     assert type(loaded) is type(built) and loaded.config.architectures == [type(built).__name__]

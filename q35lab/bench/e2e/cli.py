@@ -118,19 +118,11 @@ def _built(args, device):
     """The variant's LoRA model: ``build``'s, or for "unsloth" the same weights through Unsloth's loader."""
     if args.variant != "unsloth":
         return build(args.size, args.layers, args.rank, device=device, attention=args.attention)
-    import tempfile
-
-    from . import unsloth
-
     if device.type != "cuda":
         raise ImportError("unsloth: its training path needs a CUDA GPU", name="unsloth (needs a CUDA GPU)")
-    import shutil
+    from . import unsloth
 
-    folder = Path(tempfile.mkdtemp(prefix=f"q35lab-unsloth-{args.size}-"))
-    try:
-        return unsloth.build(args.size, args.layers, args.rank, max(_sizes(args)), folder)
-    finally:  # loaded onto the GPU: the checkpoint (18 GB at 9B) is not read again
-        shutil.rmtree(folder, ignore_errors=True)
+    return unsloth.build(args.size, args.layers, args.rank, max(_sizes(args)))
 
 
 def _one_variant(args) -> None:

@@ -43,6 +43,18 @@ def config(size: str = "h200", layers: int | None = None):
     return config_class(num_hidden_layers=layers, layer_types=layer_types, **dims)
 
 
+def base_model(size: str = "h200", layers: int | None = None, device=None, dtype=torch.bfloat16, seed: int = 0,
+               attention: str | None = None):
+    """``AutoModelForCausalLM.from_config(config(size, layers))``: random weights, seeded, the same
+    for every variant of a size."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device or "cpu"):  # initialised where it will run: 3 B parameters init slowly on a CPU
+        return AutoModelForCausalLM.from_config(config(size, layers), dtype=dtype,
+                                                **({"attn_implementation": attention} if attention else {}))
+
+
 def build(size: str = "h200", layers: int | None = None, rank: int = 16, device=None, dtype=torch.bfloat16, seed: int = 0,
           checkpointing: bool = True, modules_to_save: list[str] | None = None, attention: str | None = None):
     """``AutoModelForCausalLM.from_config`` (random weights, seeded), LoRA r=``rank`` on every
@@ -51,12 +63,8 @@ def build(size: str = "h200", layers: int | None = None, rank: int = 16, device=
     ``attention``: transformers' ``attn_implementation`` ("sdpa", its default; "flex_attention",
     whose block mask skips the blocks between packed sequences; "eager")."""
     import peft
-    from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(seed)
-    with torch.device(device or "cpu"):  # initialised where it will run: 3 B parameters init slowly on a CPU
-        model = AutoModelForCausalLM.from_config(config(size, layers), dtype=dtype,
-                                                 **({"attn_implementation": attention} if attention else {}))
+    model = base_model(size, layers, device, dtype, seed, attention)
     model = peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
                                                        modules_to_save=modules_to_save))
     init_lora_b(model, seed)
