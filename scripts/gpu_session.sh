@@ -31,7 +31,7 @@
 #   bash scripts/gpu_session.sh flex       # the packed row under flex attention, q35lab and PEFT + Liger
 #   bash scripts/gpu_session.sh fsdp       # q35lab and PEFT + Liger under FSDP2 on every GPU of the machine
 #                                          # (world size 1 on one H200: the sharded code path, measured)
-#   bash scripts/gpu_session.sh long_cost  # q35lab and each long-context option at 32k (their cost)
+#   bash scripts/gpu_session.sh long_cost  # q35lab and each long-context option at 32k (their cost), alone and together
 #   LONG_T="T..." bash scripts/gpu_session.sh long  # q35lab+long at each T until one fits
 #   bash scripts/gpu_session.sh unsloth    # Unsloth's LoRA path, q35lab and PEFT + Liger at 9B/32k (unsloth.csv; .whl-unsloth)
 #   bash scripts/gpu_session.sh notebooks  # every notebook executed (outputs kept)
@@ -142,7 +142,7 @@ case $stage in
   long_cost)  # what each long-context option costs at 32k, beside q35lab without them in the same call
     # their own CSV: a plain q35lab row in end_to_end.csv would replace the headline's, measured beside the peers
     # LONG_COST="..." runs only those options, after q35lab (their baseline in the same call)
-    costs=${LONG_COST:-q35lab+tiled q35lab+offload q35lab+long}
+    costs=${LONG_COST:-q35lab+tiled q35lab+tiled_gdn q35lab+offload q35lab+long}
     for v in q35lab $(printf '%s\n' $costs | grep -vx q35lab); do  # q35lab first, once, whatever LONG_COST lists
       beside_own_call long_context.csv 180 $v 32768 --size 9b --steps 3
     done

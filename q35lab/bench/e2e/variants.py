@@ -16,6 +16,7 @@ ALL_FLAGS = ("rms_norm", "gated_norm", "lora", "in_proj", "flce", "conv", "swigl
 TILE_TOKENS = 8192
 LONG_CONTEXT = {
     "q35lab+tiled": "q35lab with the sequence-tiled MLP (tiles of 8192 tokens)",
+    "q35lab+tiled_gdn": "q35lab with the sequence-tiled GatedDeltaNet (tiles of 8192 tokens)",
     "q35lab+offload": "q35lab with decoder-layer checkpoints offloaded to host memory (as many layers as it holds)",
     "q35lab+long": "q35lab with all three: the tiled MLP, the tiled GatedDeltaNet (tiles of 8192 tokens) and the "
                    "checkpoint offload of the fewest layers the memory model says the step needs",
@@ -56,9 +57,9 @@ def prepare(model, variant: str, tokens: int | None = None):
 
     if variant in LONG_CONTEXT:
         options = {}
-        if variant != "q35lab+offload":
+        if variant in ("q35lab+tiled", "q35lab+long"):
             options["tiled_mlp"] = TILE_TOKENS
-        if variant == "q35lab+long":
+        if variant in ("q35lab+tiled_gdn", "q35lab+long"):
             options["tiled_gdn"] = TILE_TOKENS
         if variant == "q35lab+offload":  # the mechanism's cost: every layer the host holds
             options["offload_checkpoints"] = offloadable_layers(model, tokens)
