@@ -273,8 +273,8 @@ def test_long_context_variants_tile_the_mlps_and_offload_what_the_host_holds(mon
     gdn_only = e2e.prepare(_model(), "q35lab+tiled_gdn", tokens=16)
     assert not any("offloaded" in name for name in gdn_only.replaced), gdn_only
     # each option alone: the tiled GatedDeltaNet leaves the MLPs whole, the tiled MLP the GatedDeltaNets
-    assert "tiled GatedDeltaNet" in str(gdn_only) and "(tiled," not in str(gdn_only), gdn_only
-    assert "(tiled," in str(tiled_only) and "tiled GatedDeltaNet" not in str(tiled_only), tiled_only
+    assert "GatedDeltaNet (tiled," in str(gdn_only) and "MLP (tiled," not in str(gdn_only), gdn_only
+    assert "MLP (tiled," in str(tiled_only) and "GatedDeltaNet (tiled," not in str(tiled_only), tiled_only
 
 
 def test_a_second_run_keeps_the_rows_it_did_not_measure_again(tmp_path):
