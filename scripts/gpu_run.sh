@@ -73,11 +73,16 @@ step() {  # step NAME COMMAND...: run with a time limit (TIMEOUT_<name> or STEP_
   # an e2e parent killed at the limit leaves its finished children's rows unmerged (2026-12-03: a
   # whole q35lab+long row): merge them before packing
   [[ $name != e2e_* ]] || python3 -m q35lab.e2e --merge-leftovers --out "$e2e_csv" >/dev/null 2>&1 || true
+  pack
+}
+pack() {  # everything a call returns, into $OUT/results.tgz
   mkdir -p "$TUNED" && [[ -d $CACHE ]] && (cd "$CACHE" && find . -name '*.autotune.json' -exec cp --parents {} "$TUNED" \;)
   # written aside and renamed: a call cut at its limit mid-pack still returns the last whole one
   (cd "$ROOT" && tar czf "$OUT/partial.tgz" data notebooks/*.ipynb $(ls q35lab/ops/tuned.json 2>/dev/null) \
       -C "$LOGS/.." "$(basename "$LOGS")" -C "$TUNED/.." "$(basename "$TUNED")" && mv "$OUT/partial.tgz" "$OUT/results.tgz")
 }
+# STEPS=pack: only that, after a caller changed data/ (gpu_session.sh joins a call's rows after the step packed)
+[[ $STEPS == pack ]] && { pack; exit 0; }
 
 [[ $STEPS == *tests* ]] && step tests python3 scripts/gpu_tests.py --out data/bench/$gpu/gpu_tests.csv \
     --limit ${TIMEOUT_testfile:-300} ${TESTS:-}
