@@ -110,3 +110,32 @@ def test_interpreter_works_when_triton_was_imported_first():
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["True", "True"]
+
+
+def test_a_cpu_tensor_where_triton_runs_compiled_is_named(monkeypatch):
+    """On a GPU machine the kernels run compiled and cannot read host memory: a CPU tensor gets a
+    q35lab error naming the argument, not Triton's launch error (notebook 06 met it on the H200)."""
+    import q35lab
+    from q35lab.ops.contiguous_rows import contiguous_rows
+    from q35lab.ops.swiglu import swiglu_down
+
+    monkeypatch.setattr(q35lab.runtime, "INTERPRET", False)
+    rows, width, experts = 3, 40, 4
+    x, w = torch.randn(rows, width), torch.randn(width)
+    gate, up = torch.randn(rows, 2 * width), torch.randn(rows, 2 * width)
+    calls = {
+        "x": lambda: q35lab.offset_rms_norm(x, w),
+        "x ": lambda: q35lab.gated_rms_norm(x, torch.randn(rows, width), w),
+        "gate": lambda: q35lab.swiglu(gate, up),
+        "gate ": lambda: swiglu_down(gate, up, torch.randn(width, 2 * width)),
+        "input": lambda: q35lab.linear_cross_entropy(x, torch.randn(7, width), torch.randint(0, 7, (rows,))),
+        "x  ": lambda: q35lab.causal_conv1d(torch.randn(1, rows, width), torch.randn(width, 4)),
+        "hidden_states": lambda: q35lab.routed_experts(x, torch.randint(0, experts, (rows, 2)), torch.rand(rows, 2),
+                                                       torch.randn(experts, 2 * 8, width), torch.randn(experts, width, 8)),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=rf"^{name.strip()}: expected a CUDA tensor, got one on cpu"):
+            call()
+    strided = torch.randn(5, 2 * width)[:, :width]  # rows with a stride: the kernel's case, copied by torch here
+    copied = contiguous_rows(strided)
+    assert copied.is_contiguous() and torch.equal(copied, strided)

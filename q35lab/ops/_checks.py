@@ -28,6 +28,21 @@ def check_same_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"expected all tensors on one device, got {listed}")
 
 
+def check_kernel_device(**tensors: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless the first of ``tensors`` (all on one device: check_same_device)
+    is where this process runs Triton kernels: a CUDA device when they run compiled. Triton's own
+    failure for a CPU tensor is a launch error that names no argument."""
+    from .. import runtime  # chooses compiled Triton or the interpreter, once, at import
+
+    name, first = next(iter(tensors.items()))
+    if not runtime.INTERPRET and first.device.type != "cuda":
+        raise ValueError(
+            f"{name}: expected a CUDA tensor, got one on {first.device}: q35lab's Triton kernels run "
+            "compiled on the GPU in this process (move the inputs with .cuda(); on a machine without a GPU "
+            "they run through the Triton interpreter on the CPU, Q35LAB_INTERPRET=1)"
+        )
+
+
 def check_weight(name: str, weight: torch.Tensor, width: int) -> None:
     """Raise ``ValueError`` unless ``weight`` is a 1-D vector of length ``width``."""
     if weight.dim() != 1 or weight.shape[0] != width:

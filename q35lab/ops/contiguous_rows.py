@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import runtime
 from ._compile import opaque_to_compile
 from ._launch import RowTiles, row_tiles
 from ._tuned import tuned_config
@@ -68,7 +69,7 @@ def strided_rows(x: torch.Tensor) -> torch.Tensor | None:
 def _copy(x: torch.Tensor, config: LaunchConfig | None = None) -> torch.Tensor:
     """``x.contiguous()``: one Triton copy of its rows, or torch's copy where ``x`` has none."""
     rows = strided_rows(x)
-    if rows is None:
+    if rows is None or not (runtime.INTERPRET or x.is_cuda):  # compiled Triton reads CUDA memory only
         return x.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel():
