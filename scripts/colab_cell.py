@@ -9,7 +9,8 @@ repository's address as a parameter and stops with a message while it is unset, 
 ``q35lab-repo`` (Colab puts the working folder on ``sys.path``: a folder named ``q35lab`` there
 would shadow the package), checks that the clone worked, installs without the ``dev`` extra, makes
 the package importable without a restart, says when a restart is needed all the same (a q35lab or
-Triton already imported in this runtime), and checks the GPU against what the notebook needs.
+Triton already imported in this runtime), and checks the GPU against what the notebook needs. Run
+again, or from a checkout's notebooks folder, it clones nothing and installs that checkout.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from pathlib import Path
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
-#: GPU memory each notebook's GPU sizes need (GiB), the rest 24: 06 trains the 9B-dimension model.
-NEEDS_GIB = {"06_qwen3_5_end_to_end.ipynb": 48}
+#: GPU memory each notebook's GPU sizes need (GiB), the rest 24: 05 runs transformers' loss at 16k
+#: (its logits and their gradients, ~49 GB above the rest), 06 trains the 9B-dimension model.
+NEEDS_GIB = {"05_fused_linear_cross_entropy.ipynb": 64, "06_qwen3_5_end_to_end.ipynb": 48}
 
 CELL = '''\
 # Run once on Colab or a fresh GPU box (skipped when the notebooks are tested).
@@ -29,15 +31,21 @@ REPO_URL = ""  # the address of the q35lab repository this notebook came from, e
 NEEDS_GIB = {needs}  # GPU memory this notebook's GPU sizes need
 import os, subprocess, sys
 
-if not REPO_URL:
-    raise SystemExit("Set REPO_URL (first line of this cell) to the q35lab repository's address, then run the cell again.")
-if not os.path.isdir("q35lab-repo/q35lab"):  # not "q35lab": Colab's working folder is on sys.path
-    clone = subprocess.run(["git", "clone", "-q", REPO_URL, "q35lab-repo"], capture_output=True, text=True)
-    if clone.returncode != 0:
-        raise SystemExit(f"git clone {{REPO_URL}} failed: {{clone.stderr.strip()}}")
-subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", "q35lab-repo"], check=True)  # keeps Colab's torch
-sys.path.insert(0, os.path.abspath("q35lab-repo"))  # importable now, without a restart
-os.chdir("q35lab-repo/notebooks")
+here = os.getcwd()
+if os.path.basename(here) == "notebooks" and os.path.isdir(os.path.join(here, "..", "q35lab")):
+    root = os.path.dirname(here)  # in a checkout already (this cell ran before, or a clone of your own)
+else:
+    root = os.path.abspath("q35lab-repo")  # not "q35lab": Colab's working folder is on sys.path
+    if not os.path.isdir(os.path.join(root, "q35lab")):
+        if not REPO_URL:
+            raise SystemExit("Set REPO_URL (first line of this cell) to the q35lab repository's address, "
+                             "then run the cell again.")
+        clone = subprocess.run(["git", "clone", "-q", REPO_URL, root], capture_output=True, text=True)
+        if clone.returncode != 0:
+            raise SystemExit(f"git clone {{REPO_URL}} failed: {{clone.stderr.strip()}}")
+subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", root], check=True)  # keeps Colab's torch
+sys.path.insert(0, root)  # importable now, without a restart
+os.chdir(os.path.join(root, "notebooks"))
 if {{"q35lab", "triton"}} & set(sys.modules):
     print("q35lab or Triton was imported before the install: restart the runtime, then run from the next cell.")
 

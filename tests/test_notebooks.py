@@ -34,3 +34,20 @@ def test_a_failed_clone_is_an_error_naming_the_address(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="git clone .*no-such-repository failed"):
         exec(source, {})
     assert "NEEDS_GIB = 48" in source
+
+
+def test_run_again_inside_the_clone_it_clones_nothing_and_installs_that_checkout(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    checkout = tmp_path / "q35lab-repo"
+    (checkout / "q35lab").mkdir(parents=True)
+    (checkout / "notebooks").mkdir()
+    monkeypatch.chdir(checkout / "notebooks")  # where the first run left the notebook
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda args, **kwargs: calls.append(args))
+    exec(colab_cell.cell_source("01_offset_rmsnorm.ipynb"), {})  # REPO_URL unset: not needed here
+    assert [args[:3] for args in calls] == [[sys.executable, "-m", "pip"]]
+    assert calls[0][-1] == str(checkout) and sys.path[0] == str(checkout)
+    assert Path.cwd() == checkout / "notebooks"
