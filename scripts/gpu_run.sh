@@ -59,13 +59,21 @@ TUNED=/tmp/triton-autotune
 for seed in data/triton-autotune .triton-autotune; do
   if [[ -d $seed ]]; then mkdir -p "$CACHE" && cp -rn $seed/. "$CACHE"/; fi
 done
+LOGS=/tmp/q35lab-logs; mkdir -p "$LOGS"  # packed into results.tgz: the device returns 8 files at most
+pack() {  # everything a call returns, into $OUT/results.tgz
+  mkdir -p "$TUNED" && [[ -d $CACHE ]] && (cd "$CACHE" && find . -name '*.autotune.json' -exec cp --parents {} "$TUNED" \;)
+  # written aside and renamed: a call cut at its limit mid-pack still returns the last whole one
+  (cd "$ROOT" && tar czf "$OUT/partial.tgz" data notebooks/*.ipynb $(ls q35lab/ops/tuned.json 2>/dev/null) \
+      -C "$LOGS/.." "$(basename "$LOGS")" -C "$TUNED/.." "$(basename "$TUNED")" && mv "$OUT/partial.tgz" "$OUT/results.tgz")
+}
+# STEPS=pack: only that, after a caller changed data/ (gpu_session.sh joins a call's rows after the step packed)
+[[ $STEPS == pack ]] && { pack; exit 0; }
 WITH_FLA=$PYTHONPATH
 python3 -c "import triton, torch; print('triton', triton.__version__, 'torch', torch.__version__)"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 gpu=$(python3 -c "from q35lab.bench import core; print(core.gpu_slug())")
 mkdir -p data/bench/$gpu
 
-LOGS=/tmp/q35lab-logs; mkdir -p "$LOGS"  # packed into results.tgz: the device returns 8 files at most
 step() {  # step NAME COMMAND...: run with a time limit (TIMEOUT_<name> or STEP_TIMEOUT), log, pack
   local name=$1; shift
   local limit="TIMEOUT_${name%%_*}"
@@ -75,14 +83,6 @@ step() {  # step NAME COMMAND...: run with a time limit (TIMEOUT_<name> or STEP_
   [[ $name != e2e_* ]] || python3 -m q35lab.e2e --merge-leftovers --out "$e2e_csv" >/dev/null 2>&1 || true
   pack
 }
-pack() {  # everything a call returns, into $OUT/results.tgz
-  mkdir -p "$TUNED" && [[ -d $CACHE ]] && (cd "$CACHE" && find . -name '*.autotune.json' -exec cp --parents {} "$TUNED" \;)
-  # written aside and renamed: a call cut at its limit mid-pack still returns the last whole one
-  (cd "$ROOT" && tar czf "$OUT/partial.tgz" data notebooks/*.ipynb $(ls q35lab/ops/tuned.json 2>/dev/null) \
-      -C "$LOGS/.." "$(basename "$LOGS")" -C "$TUNED/.." "$(basename "$TUNED")" && mv "$OUT/partial.tgz" "$OUT/results.tgz")
-}
-# STEPS=pack: only that, after a caller changed data/ (gpu_session.sh joins a call's rows after the step packed)
-[[ $STEPS == pack ]] && { pack; exit 0; }
 
 [[ $STEPS == *tests* ]] && step tests python3 scripts/gpu_tests.py --out data/bench/$gpu/gpu_tests.csv \
     --limit ${TIMEOUT_testfile:-300} ${TESTS:-}
