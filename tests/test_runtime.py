@@ -128,6 +128,7 @@ def test_a_cpu_tensor_where_triton_runs_compiled_is_named(monkeypatch):
         "x ": lambda: q35lab.gated_rms_norm(x, torch.randn(rows, width), w),
         "gate": lambda: q35lab.swiglu(gate, up),
         "gate ": lambda: swiglu_down(gate, up, torch.randn(width, 2 * width)),
+        "gate_up": lambda: q35lab.swiglu_packed(torch.randn(rows, 4 * width)),
         "input": lambda: q35lab.linear_cross_entropy(x, torch.randn(7, width), torch.randint(0, 7, (rows,))),
         "x  ": lambda: q35lab.causal_conv1d(torch.randn(1, rows, width), torch.randn(width, 4)),
         "hidden_states": lambda: q35lab.routed_experts(x, torch.randint(0, experts, (rows, 2)), torch.rand(rows, 2),

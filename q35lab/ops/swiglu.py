@@ -784,6 +784,7 @@ def swiglu_packed(gate_up: torch.Tensor, *, rounding: str = "hf", inplace_backwa
         A new contiguous ``[.., I]`` tensor of ``gate_up``'s dtype.
     """
     check_float_tensor("gate_up", gate_up)
+    check_kernel_device(gate_up=gate_up)
     if gate_up.dim() == 0:
         raise ValueError("gate_up: expected at least one dimension (gate and up, 2I wide), got a scalar")
     if gate_up.shape[-1] % 2:

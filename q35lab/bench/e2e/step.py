@@ -103,7 +103,8 @@ def measure(model, T: int, steps: int = 3, warmup: int = 1, lr: float = 1e-4, co
                 print(f"  T={T} step {i + 1}/{warmup + steps} ({'measured' if i >= warmup else 'warm-up'}): "
                       f"{start.ms_until(end):.0f} ms", file=sys.stderr, flush=True)
     step, core = statistics.median(step_ms), statistics.median(core_ms)
-    if core == 0:  # none of the timed core functions ran (Unsloth calls a delta rule of its own): unknown, not 0
+    if core == 0:  # none of the timed core functions ran (Unsloth's and axolotl's patches call the delta rule their
+        # own way, and so may a MoE's): unknown, not 0
         core = math.nan
     shape = {}
     if batch is not None:  # the last step's batch: every step has T real tokens, only the padding differs
