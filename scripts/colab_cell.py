@@ -31,12 +31,15 @@ REPO_URL = ""  # the address of the q35lab repository this notebook came from, e
 NEEDS_GIB = {needs}  # GPU memory this notebook's GPU sizes need
 import os, subprocess, sys
 
-here = os.getcwd()
-if os.path.basename(here) == "notebooks" and os.path.isdir(os.path.join(here, "..", "q35lab")):
-    root = os.path.dirname(here)  # in a checkout already (this cell ran before, or a clone of your own)
-else:
+def is_checkout(folder):  # a q35lab repository: its package and its pyproject.toml
+    return all(os.path.isfile(os.path.join(folder, *f)) for f in (("pyproject.toml",), ("q35lab", "__init__.py")))
+
+
+here = os.getcwd()  # a checkout already (this cell ran before, or a clone of your own): its root or notebooks/
+root = next((folder for folder in (here, os.path.dirname(here)) if is_checkout(folder)), None)
+if root is None:
     root = os.path.abspath("q35lab-repo")  # not "q35lab": Colab's working folder is on sys.path
-    if not os.path.isdir(os.path.join(root, "q35lab")):
+    if not is_checkout(root):
         if not REPO_URL:
             raise SystemExit("Set REPO_URL (first line of this cell) to the q35lab repository's address, "
                              "then run the cell again.")
@@ -46,7 +49,8 @@ else:
 subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", root], check=True)  # keeps Colab's torch
 sys.path.insert(0, root)  # importable now, without a restart
 os.chdir(os.path.join(root, "notebooks"))
-if {{"q35lab", "triton"}} & set(sys.modules):
+loaded = sys.modules.get("q35lab")
+if (loaded is None and "triton" in sys.modules) or (loaded and not os.path.abspath(loaded.__file__).startswith(root)):
     print("q35lab or Triton was imported before the install: restart the runtime, then run from the next cell.")
 
 import torch

@@ -42,7 +42,10 @@ def test_run_again_inside_the_clone_it_clones_nothing_and_installs_that_checkout
 
     checkout = tmp_path / "q35lab-repo"
     (checkout / "q35lab").mkdir(parents=True)
+    (checkout / "q35lab" / "__init__.py").write_text("")
+    (checkout / "pyproject.toml").write_text("")
     (checkout / "notebooks").mkdir()
+    (tmp_path / "notebooks" / "q35lab").mkdir(parents=True)  # a look-alike: no package, no pyproject
     monkeypatch.chdir(checkout / "notebooks")  # where the first run left the notebook
     monkeypatch.setattr(sys, "path", list(sys.path))
     calls = []
@@ -51,3 +54,8 @@ def test_run_again_inside_the_clone_it_clones_nothing_and_installs_that_checkout
     assert [args[:3] for args in calls] == [[sys.executable, "-m", "pip"]]
     assert calls[0][-1] == str(checkout) and sys.path[0] == str(checkout)
     assert Path.cwd() == checkout / "notebooks"
+    calls.clear()
+    monkeypatch.chdir(tmp_path / "notebooks")  # not a checkout: it wants the address before anything
+    with pytest.raises(SystemExit, match="Set REPO_URL"):
+        exec(colab_cell.cell_source("01_offset_rmsnorm.ipynb"), {})
+    assert calls == []
