@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import runtime  # chose compiled Triton or the interpreter when q35lab was imported
+
 #: The activation dtypes every kernel supports.
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -29,11 +31,10 @@ def check_same_device(**tensors: torch.Tensor) -> None:
 
 
 def check_kernel_device(**tensors: torch.Tensor) -> None:
-    """Raise ``ValueError`` unless the first of ``tensors`` (all on one device: check_same_device)
-    is where this process runs Triton kernels: a CUDA device when they run compiled. Triton's own
-    failure for a CPU tensor is a launch error that names no argument."""
-    from .. import runtime  # chooses compiled Triton or the interpreter, once, at import
-
+    """``check_same_device``, then raise ``ValueError`` unless that device is where this process
+    runs Triton kernels: a CUDA device when they run compiled. Triton's own failure for a CPU tensor
+    is a launch error that names no argument."""
+    check_same_device(**tensors)
     name, first = next(iter(tensors.items()))
     if not runtime.INTERPRET and first.device.type != "cuda":
         raise ValueError(

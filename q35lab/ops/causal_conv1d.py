@@ -41,7 +41,7 @@ import triton.language as tl
 
 from .. import runtime  # noqa: F401  (the interpreter is chosen before any kernel is defined)
 from ._autograd import first_order_only
-from ._checks import check_float_tensor, check_kernel_device, check_same_device
+from ._checks import check_float_tensor, check_kernel_device
 from ._compile import opaque_to_compile
 from ._launch import persistent_programs
 from ._reduce import sum_partials
@@ -610,7 +610,6 @@ def causal_conv1d(
         raise ValueError(f"activation: expected None, 'silu' or 'swish', got {activation!r}")
     if cu_seqlens is not None and isinstance(cu_seqlens, torch.Tensor):
         tensors["cu_seqlens"] = cu_seqlens
-    check_same_device(**tensors)
     check_kernel_device(**tensors)
     if config is not None and not isinstance(config, LaunchConfig):
         raise TypeError(f"config: expected a LaunchConfig or None, got {type(config).__name__}")

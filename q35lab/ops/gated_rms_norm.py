@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from ._autograd import first_order_only
-from ._checks import check_eps, check_float_tensor, check_kernel_device, check_like, check_same_device, check_weight
+from ._checks import check_eps, check_float_tensor, check_kernel_device, check_like, check_weight
 from ._compile import opaque_to_compile
 from ._launch import as_rows
 from ._reduce import sum_partials
@@ -328,8 +328,7 @@ def gated_rms_norm(
     check_float_tensor("weight", weight)
     check_like("gate", gate, "x", x)
     check_weight("weight", weight, x.shape[-1])
-    check_same_device(x=x, gate=gate, weight=weight)
-    check_kernel_device(x=x)
+    check_kernel_device(x=x, gate=gate, weight=weight)
     eps = check_eps(eps)
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding: expected one of {ROUNDINGS}, got {rounding!r}")

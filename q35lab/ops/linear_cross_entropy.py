@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from ._autograd import first_order_only
-from ._checks import check_float_tensor, check_kernel_device, check_same_device
+from ._checks import check_float_tensor, check_kernel_device
 from ._compile import opaque_to_compile
 from ._tuned import tuned_config
 from .lora import _compute_dtype
@@ -505,8 +505,7 @@ def linear_cross_entropy(input, linear_weight, target, *, ignore_index: int = -1
                          f"dimension), got {tuple(target.shape)}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
-    check_same_device(input=input, linear_weight=linear_weight, target=target)
-    check_kernel_device(input=input)
+    check_kernel_device(input=input, linear_weight=linear_weight, target=target)
     vocab, hidden = linear_weight.shape
     flat_target = target.reshape(-1).to(torch.int64).contiguous()
     _check_target(flat_target, vocab, ignore_index)

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ._autograd import first_order_only
-from ._checks import check_eps, check_float_tensor, check_kernel_device, check_same_device, check_weight
+from ._checks import check_eps, check_float_tensor, check_kernel_device, check_weight
 from ._compile import opaque_to_compile
 from ._launch import as_rows, persistent_programs
 from ._reduce import sum_partials
@@ -333,7 +333,6 @@ def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) ->
     if x.dim() == 0:
         raise ValueError("x: expected at least one dimension (the hidden width), got a scalar")
     check_weight("weight", weight, x.shape[-1])
-    check_same_device(x=x, weight=weight)
     check_kernel_device(x=x, weight=weight)
     eps = check_eps(eps)
     if x.shape[-1] > MAX_WIDTH:

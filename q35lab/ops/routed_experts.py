@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from ._autograd import first_order_only
-from ._checks import check_float_tensor, check_kernel_device, check_same_device
+from ._checks import check_float_tensor, check_kernel_device
 from ._compile import opaque_to_compile
 from ._launch import RowTiles, row_tiles
 from ._tuned import tuned_config
@@ -357,9 +357,8 @@ def _check(x, top_k_index, top_k_weights, gate_up_proj, down_proj) -> None:
     check_float_tensor("top_k_weights", top_k_weights)
     check_float_tensor("gate_up_proj", gate_up_proj)
     check_float_tensor("down_proj", down_proj)
-    check_same_device(hidden_states=x, top_k_index=top_k_index, top_k_weights=top_k_weights,
-                      gate_up_proj=gate_up_proj, down_proj=down_proj)
-    check_kernel_device(hidden_states=x)
+    check_kernel_device(hidden_states=x, top_k_index=top_k_index, top_k_weights=top_k_weights,
+                        gate_up_proj=gate_up_proj, down_proj=down_proj)
     if x.dim() != 2:
         raise ValueError(f"hidden_states: expected [tokens, hidden], got shape {tuple(x.shape)}")
     if top_k_weights.shape != top_k_index.shape or top_k_index.dim() != 2 or top_k_index.shape[0] != x.shape[0]:

@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 
 from ._autograd import first_order_only
-from ._checks import check_float_tensor, check_kernel_device, check_like, check_same_device
+from ._checks import check_float_tensor, check_kernel_device, check_like
 from ._compile import opaque_to_compile
 from ._tuned import tuned_config
 from .lora import _check_projection_args, _check_scaling, _input_grad, _project_into, _scaled_product
@@ -763,8 +763,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, rounding: str = "hf", inplac
     check_float_tensor("gate", gate)
     check_float_tensor("up", up)
     check_like("up", up, "gate", gate)
-    check_same_device(gate=gate, up=up)
-    check_kernel_device(gate=gate)
+    check_kernel_device(gate=gate, up=up)
     _check_rounding(rounding)
     return SwiGLUFunction.apply(gate, up, rounding, None, _inplace_mode(inplace_backward))
 
@@ -819,10 +818,9 @@ def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, lora
     check_float_tensor("up", up)
     check_like("up", up, "gate", gate)
     _check_projection_args("gate", gate.shape[-1] if gate.dim() else "?", weight, lora_A, lora_B, bias)
-    check_same_device(gate=gate, up=up, weight=weight, **{name: t for name, t in
-                                                         (("lora_A", lora_A), ("lora_B", lora_B), ("bias", bias))
-                                                         if t is not None})
-    check_kernel_device(gate=gate)
+    check_kernel_device(gate=gate, up=up, weight=weight, **{name: t for name, t in
+                                                           (("lora_A", lora_A), ("lora_B", lora_B), ("bias", bias))
+                                                           if t is not None})
     scaling = _check_scaling("scaling", scaling)
     _check_rounding(rounding)
     adapter = lora_A is not None  # the bias joins the adapter's term, or else the base GEMM, as lora_linear adds it
