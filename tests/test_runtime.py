@@ -123,19 +123,20 @@ def test_a_cpu_tensor_where_triton_runs_compiled_is_named(monkeypatch):
     rows, width, experts = 3, 40, 4
     x, w = torch.randn(rows, width), torch.randn(width)
     gate, up = torch.randn(rows, 2 * width), torch.randn(rows, 2 * width)
-    calls = {
-        "x": lambda: q35lab.offset_rms_norm(x, w),
-        "x ": lambda: q35lab.gated_rms_norm(x, torch.randn(rows, width), w),
-        "gate": lambda: q35lab.swiglu(gate, up),
-        "gate ": lambda: swiglu_down(gate, up, torch.randn(width, 2 * width)),
-        "gate_up": lambda: q35lab.swiglu_packed(torch.randn(rows, 4 * width)),
-        "input": lambda: q35lab.linear_cross_entropy(x, torch.randn(7, width), torch.randint(0, 7, (rows,))),
-        "x  ": lambda: q35lab.causal_conv1d(torch.randn(1, rows, width), torch.randn(width, 4)),
-        "hidden_states": lambda: q35lab.routed_experts(x, torch.randint(0, experts, (rows, 2)), torch.rand(rows, 2),
-                                                       torch.randn(experts, 2 * 8, width), torch.randn(experts, width, 8)),
-    }
-    for name, call in calls.items():
-        with pytest.raises(ValueError, match=rf"^{name.strip()}: expected a CUDA tensor, got one on cpu"):
+    calls = [  # (the argument the error names, the call)
+        ("x", lambda: q35lab.offset_rms_norm(x, w)),
+        ("x", lambda: q35lab.gated_rms_norm(x, torch.randn(rows, width), w)),
+        ("gate", lambda: q35lab.swiglu(gate, up)),
+        ("gate", lambda: swiglu_down(gate, up, torch.randn(width, 2 * width))),
+        ("gate_up", lambda: q35lab.swiglu_packed(torch.randn(rows, 4 * width))),
+        ("input", lambda: q35lab.linear_cross_entropy(x, torch.randn(7, width), torch.randint(0, 7, (rows,)))),
+        ("x", lambda: q35lab.causal_conv1d(torch.randn(1, rows, width), torch.randn(width, 4))),
+        ("hidden_states", lambda: q35lab.routed_experts(x, torch.randint(0, experts, (rows, 2)), torch.rand(rows, 2),
+                                                        torch.randn(experts, 2 * 8, width),
+                                                        torch.randn(experts, width, 8))),
+    ]
+    for name, call in calls:
+        with pytest.raises(ValueError, match=rf"^{name}: expected a CUDA tensor, got one on cpu"):
             call()
     strided = torch.randn(5, 2 * width)[:, :width]  # rows with a stride: the kernel's case, copied by torch here
     copied = contiguous_rows(strided)
