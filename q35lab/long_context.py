@@ -80,6 +80,10 @@ __all__ = [
     "parameter_count",
     "lora_parameter_count",
     "plan_offload_layers",
+    "plan_long_context",
+    "LongContextPlan",
+    "PLAN_TILES",
+    "usable_gpu_bytes",
     "H200_USABLE_BYTES",
 ]
 
@@ -353,11 +357,11 @@ class TiledGDNFunction(_TiledFunction):
         return _tiled_backward(ctx, grad_out)
 
 
-def _check_tile_tokens(tile_tokens: object, name: str = "tile_tokens") -> int:
+def _check_tile_tokens(tile_tokens: object, name: str = "tile_tokens", what: str = "tokens per tile") -> int:
     if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, numbers.Integral):
-        raise TypeError(f"{name}: expected a positive int (tokens per tile), got {tile_tokens!r}")
+        raise TypeError(f"{name}: expected a positive int ({what}), got {tile_tokens!r}")
     if tile_tokens < 1:
-        raise ValueError(f"{name}: expected a positive int (tokens per tile), got {tile_tokens}")
+        raise ValueError(f"{name}: expected a positive int ({what}), got {tile_tokens}")
     return int(tile_tokens)
 
 
@@ -1637,3 +1641,82 @@ def plan_offload_layers(config, tokens: int, *, gpu_bytes: float = H200_USABLE_B
         if model.peak(tokens) <= gpu_bytes:
             return k, True
     return layers, False
+
+
+#: The candidate tile sizes of ``plan_long_context``, largest first: a larger tile is fewer,
+#: longer launches; below 4096 tokens a tile's kernels are too short to keep the GPU busy.
+PLAN_TILES = tuple(2**k for k in range(20, 11, -1))
+
+
+@dataclass(frozen=True)
+class LongContextPlan:
+    """What ``plan_long_context`` chose for a step of ``tokens``: the tiles (None: untiled), the
+    decoder layers whose checkpoint inputs go to host memory, and the memory model's prediction
+    for that choice (``model.peak(tokens)`` against ``gpu_bytes``)."""
+
+    tokens: int
+    tiled_mlp: int | None
+    tiled_gdn: int | None
+    offload_layers: int
+    fits: bool
+    model: MemoryModel
+    gpu_bytes: float
+
+    def options(self) -> dict:
+        """The plan as ``apply_to_qwen3_5``'s long-context keyword arguments."""
+        return {"tiled_mlp": self.tiled_mlp, "tiled_gdn": self.tiled_gdn, "offload_checkpoints": self.offload_layers}
+
+    def __str__(self) -> str:
+        chosen = [f"checkpoints of {self.offload_layers} of {self.model.layers} decoder layers in host memory"
+                  if self.offload_layers else None,
+                  f"the MLP in tiles of {self.tiled_mlp:,} tokens" if self.tiled_mlp else None,
+                  f"the GatedDeltaNet in tiles of {self.tiled_gdn:,} tokens" if self.tiled_gdn else None]
+        chosen = "; ".join(c for c in chosen if c) or "nothing (the step fits as it is)"
+        verdict = "fits" if self.fits else "does not fit even so"
+        return (f"planned for {self.tokens:,} tokens: {chosen}; predicted peak "
+                f"{self.model.peak(self.tokens) / GiB:.1f} of {self.gpu_bytes / GiB:.1f} GiB ({verdict})")
+
+
+def plan_long_context(config, tokens: int, *, gpu_bytes: float = H200_USABLE_BYTES, host_bytes: float | None = None,
+                      host_reserve_bytes: float = HOST_RESERVE_BYTES, **model_settings) -> LongContextPlan:
+    """The cheapest long-context options under which a step of ``tokens`` (one row) is predicted to
+    fit ``gpu_bytes``, by ``bytes_per_token``.
+
+    The options are added in the order of what each cost a 9B step at 32k on the H200 (963ed32):
+    the checkpoint offload (+0.07%: copies on a side stream) with the fewest layers that fit, then
+    the tiled MLP (+1.1%: its recompute skips the down GEMM), then the tiled GatedDeltaNet as
+    well (+10.9%: under layer checkpointing it runs one GatedDeltaNet forward more). Each tiling
+    takes the largest tile of ``PLAN_TILES`` shorter than ``tokens`` that fits: a tile costs the
+    same recompute whatever its size, and larger tiles are fewer launches. A step that fits as it
+    is gets nothing. Where nothing fits, the most frugal plan (the smallest tiles, every layer
+    the host holds) with ``fits=False``.
+
+    A plan made for the longest step also serves shorter ones: a module tiles only a sequence
+    longer than its tile, so a step at most one tile long runs untiled and pays only the offload.
+    """
+    tokens = _check_tile_tokens(tokens, "tokens", "the longest step's tokens")
+    tiles = [tile for tile in PLAN_TILES if tile < tokens]
+    attempts = [{}] + [{"tiled_mlp_tokens": tile} for tile in tiles]
+    if "linear_attention" in _dims(config).layer_types:
+        attempts += [{"tiled_mlp_tokens": tile, "tiled_gdn_tokens": tile} for tile in tiles]
+    for settings in attempts:
+        layers, fits = plan_offload_layers(config, tokens, gpu_bytes=gpu_bytes, host_bytes=host_bytes,
+                                           host_reserve_bytes=host_reserve_bytes, **settings, **model_settings)
+        if fits:
+            break
+    model = bytes_per_token(config, offload=layers, **settings, **model_settings)
+    return LongContextPlan(tokens=tokens, tiled_mlp=settings.get("tiled_mlp_tokens"),
+                           tiled_gdn=settings.get("tiled_gdn_tokens"), offload_layers=layers, fits=fits, model=model,
+                           gpu_bytes=gpu_bytes)
+
+
+def usable_gpu_bytes(device: torch.device | str | None = None) -> float:
+    """The memory a step on ``device`` may use, as ``plan_long_context`` counts it: on a CUDA
+    device the memory still free plus what this process's allocator holds already (the model's
+    weights are in it, and the plan counts them); elsewhere an H200's (``H200_USABLE_BYTES``: a
+    model on the CPU is planned for the reference GPU)."""
+    device = torch.device("cpu" if device is None else device)
+    if device.type != "cuda":
+        return float(H200_USABLE_BYTES)
+    free, _ = torch.cuda.mem_get_info(device)
+    return float(free + torch.cuda.memory_reserved(device))

@@ -1139,6 +1139,7 @@ def apply_to_qwen3_5(
     tiled_mlp: int | None = None,
     tiled_gdn: int | None = None,
     offload_checkpoints: float | int = 0,
+    long_context: int | None = None,
 ) -> PatchReport:
     """Replace Qwen3.5's modules by q35lab's kernels, in place; returns what was done.
 
@@ -1176,6 +1177,11 @@ def apply_to_qwen3_5(
     or packed sequences run untiled, with a warning); ``offload_checkpoints`` (a fraction of the
     decoder layers, or a count) keeps their gradient-checkpoint inputs in pinned host memory
     between forward and backward (``q35lab.long_context`` sizes and explains all three).
+    ``long_context=N`` is the one switch for all three: it plans them for steps of up to N tokens
+    (``long_context.plan_long_context``: the memory model against the model's GPU, the cheapest
+    options first, none where the step fits as it is) and the report's ``long context`` line says
+    what it chose. A plan for N serves every shorter step too: a module tiles only a sequence
+    longer than its tile. Give either ``long_context`` or the three options, not both.
 
     With PEFT, patch the wrapped model (after ``get_peft_model``). LoRA layers added after a
     patch run PEFT's own forward until ``apply_to_qwen3_5`` is called again; the report of a
@@ -1190,6 +1196,13 @@ def apply_to_qwen3_5(
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     _refuse_sharded(model, "apply_to_qwen3_5")
     tiled_mlp, tiled_gdn = _tile_option("tiled_mlp", tiled_mlp), _tile_option("tiled_gdn", tiled_gdn)
+    plan = None
+    if long_context is not None:
+        if tiled_mlp or tiled_gdn or offload_checkpoints:
+            raise ValueError("long_context: it plans tiled_mlp, tiled_gdn and offload_checkpoints itself; pass either "
+                             "long_context or those options, not both")
+        plan = _plan_long_context(model, long_context)
+        tiled_mlp, tiled_gdn, offload_checkpoints = plan.tiled_mlp, plan.tiled_gdn, plan.offload_layers
     enabled = {"rms_norm": rms_norm, "gated_norm": gated_norm, "lora": lora, "in_proj": in_proj, "flce": flce,
                "conv": conv, "swiglu": swiglu, "experts": experts, "varlen_attention": varlen_attention}
     report = PatchReport(qwen3_5=any(map(_is_qwen3_5_module, model.modules())))
@@ -1212,8 +1225,8 @@ def apply_to_qwen3_5(
             _patch_mlp(module, report)
         if experts and _is_routed_experts(module):
             _patch_experts(module, report)
-        if tiled_mlp and _is_swiglu_mlp(module) and long_context.tile_mlp(module, tiled_mlp):  # wraps the above
-            report.replaced[f"{type(module).__name__} (tiled, {tiled_mlp} tokens a tile)"] += 1
+        if tiled_mlp and _is_swiglu_mlp(module):  # wraps the above
+            _tile_mlp(module, tiled_mlp, report)
         if flce and cls.__name__ in FLCE_CLASSES and cls.__module__.startswith("transformers."):
             _patch_loss(module, report)
     for parent, name, child in _named_children_everywhere(model):
@@ -1236,17 +1249,48 @@ def apply_to_qwen3_5(
     if varlen_attention:
         _patch_attention(model, report)
     if offload_checkpoints:
-        offloader = long_context.offload_decoder_layers(model, offload_checkpoints)
-        report.replaced[f"decoder-layer checkpoints offloaded to host memory ({offloader.layers} layers)"] += 1
+        _offload_checkpoints(model, offload_checkpoints, report)
     if any(_is_gated_delta_net(m) for m in model.modules()):
         _derive_packed_boundaries(model)  # said in report.runs["packed batches"]
     _record_what_runs(model, report)
-    if tiled_gdn and any(isinstance(vars(m).get("forward"), long_context.TiledGDNForward) for m in model.modules()):
+    if tiled_gdn:
+        _report_tiled_gdn(model, tiled_gdn, report)
+    if plan is not None:
+        report.runs["long context"] = str(plan)
+    return report
+
+
+def _plan_long_context(model: torch.nn.Module, tokens) -> "long_context.LongContextPlan":
+    """``long_context.plan_long_context`` for this model: its text config, its LoRA rank, the
+    bytes of its weights' dtype (the activations'), and the memory of the GPU it is on."""
+    tokens = long_context._check_tile_tokens(tokens, "long_context", "the longest step's tokens")
+    config = getattr(model, "config", None)
+    if not hasattr(config, "get_text_config"):
+        raise TypeError(f"long_context: {type(model).__name__} has no transformers config to plan from")
+    weight = next(model.parameters(), None)
+    if weight is None:
+        raise TypeError(f"long_context: {type(model).__name__} has no parameters to plan for")
+    ranks = [max(m.r.values()) for m in model.modules() if _is_peft_lora_linear(m) and m.r]
+    return long_context.plan_long_context(config, tokens, gpu_bytes=long_context.usable_gpu_bytes(weight.device),
+                                          lora_rank=max(ranks, default=0), dtype_bytes=weight.element_size())
+
+
+def _tile_mlp(mlp: torch.nn.Module, tile_tokens: int, report: "PatchReport") -> None:
+    if long_context.tile_mlp(mlp, tile_tokens):
+        report.replaced[f"{type(mlp).__name__} (tiled, {tile_tokens} tokens a tile)"] += 1
+
+
+def _offload_checkpoints(model: torch.nn.Module, layers, report: "PatchReport") -> None:
+    offloader = long_context.offload_decoder_layers(model, layers)
+    report.replaced[f"decoder-layer checkpoints offloaded to host memory ({offloader.layers} layers)"] += 1
+
+
+def _report_tiled_gdn(model: torch.nn.Module, tile_tokens: int, report: "PatchReport") -> None:
+    if any(isinstance(vars(m).get("forward"), long_context.TiledGDNForward) for m in model.modules()):
         report.runs["tiled GatedDeltaNet"] = (
-            f"tiles of {tiled_gdn} tokens when a GatedDeltaNet trains on more; untiled without grad (eval, "
+            f"tiles of {tile_tokens} tokens when a GatedDeltaNet trains on more; untiled without grad (eval, "
             "generation) and, with a warning, given a cache (use_cache=False without gradient checkpointing) or "
             "packed sequences (cu_seq_lens_q: their boundaries do not line up with tiles)")
-    return report
 
 
 def _tile_option(name: str, value) -> int | None:

@@ -32,7 +32,7 @@
 #   bash scripts/gpu_session.sh fsdp       # q35lab and PEFT + Liger under FSDP2 on every GPU of the machine
 #                                          # (world size 1 on one H200: the sharded code path, measured)
 #   bash scripts/gpu_session.sh long_cost  # q35lab and each long-context option at 32k (their cost), alone and together
-#   LONG_T="T..." bash scripts/gpu_session.sh long  # q35lab+long at each T until one fits
+#   LONG_T="T..." bash scripts/gpu_session.sh long  # q35lab+long (or LONG_VARIANT) at each T until one fits
 #   bash scripts/gpu_session.sh unsloth    # Unsloth's LoRA path, q35lab and PEFT + Liger at 9B/32k (unsloth.csv; .whl-unsloth)
 #   bash scripts/gpu_session.sh notebooks  # every notebook executed (outputs kept)
 #
@@ -143,19 +143,20 @@ case $stage in
   long_cost)  # what each long-context option costs at 32k, beside q35lab without them in the same call
     # their own CSV: a plain q35lab row in end_to_end.csv would replace the headline's, measured beside the peers
     # LONG_COST="..." runs only those options, after q35lab (their baseline in the same call)
-    costs=${LONG_COST:-q35lab+tiled q35lab+tiled_gdn q35lab+offload q35lab+long}
+    costs=${LONG_COST:-q35lab+tiled q35lab+tiled_gdn q35lab+offload q35lab+long q35lab+long_context}
     for v in q35lab $(printf '%s\n' $costs | grep -vx q35lab); do  # q35lab first, once, whatever LONG_COST lists
       beside_own_call long_context.csv 180 $v 32768 --size 9b --steps 3
     done
     ;;
   long)  # a step at 512k is predicted at ~4 min (attention alone ~190 s): one T fits a call
+    # LONG_VARIANT: q35lab+long (fixed 8192-token tiles, planned offload; the default) or q35lab+long_context (planned)
     [[ -n ${LONG_T:-} ]] || { echo "long: set LONG_T (the lengths to try, in order)"; exit 2; }
     for T in $LONG_T; do
-      e2e 450 q35lab+long "$T" --size 9b --steps 1 --warmup 0
-      python3 - "$csv" "$T" <<'EOF' && break  # stop at the first that fits
+      e2e 450 ${LONG_VARIANT:-q35lab+long} "$T" --size 9b --steps 1 --warmup 0
+      python3 - "$csv" "$T" "${LONG_VARIANT:-q35lab+long}" <<'EOF' && break  # stop at the first that fits
 import sys, pandas as pd
 rows = pd.read_csv(sys.argv[1])
-row = rows[(rows.variant == "q35lab+long") & (rows["T"] == int(sys.argv[2]))]
+row = rows[(rows.variant == sys.argv[3]) & (rows["T"] == int(sys.argv[2]))]
 sys.exit(0 if len(row) and row.status.iloc[-1] == "ok" else 1)
 EOF
     done

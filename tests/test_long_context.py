@@ -982,3 +982,93 @@ def test_the_long_variant_tiles_the_gated_delta_nets_too():
     report = e2e.prepare(e2e.build("tiny", 2, rank=8, device=device(), dtype=torch.float32), "q35lab+long", tokens=16)
     assert any(name.startswith("Qwen3_5GatedDeltaNet (tiled, 8192") for name in report.replaced), report
     assert any(name.startswith("Qwen3_5MLP (tiled, 8192") for name in report.replaced), report
+
+
+# ----------------------------------------------------------------------------------------------
+# the one switch: long_context=N plans the three options
+# ----------------------------------------------------------------------------------------------
+def _fits(config, tokens, gpu_bytes, host_bytes, **settings):
+    return lc.plan_offload_layers(config, tokens, gpu_bytes=gpu_bytes, host_bytes=host_bytes, **settings)[1]
+
+
+@pytest.mark.parametrize("tokens, gpu_gib", [(32768, 139), (300 * 1024, 139), (524288, 139), (524288, 125),
+                                             (589824, 139)])
+def test_the_plan_takes_the_cheapest_options_that_fit_with_the_largest_tiles(tokens, gpu_gib):
+    from q35lab import e2e
+
+    config, GiB = e2e.config("9b"), 2**30
+    gpu, host = gpu_gib * GiB, 125 * GiB
+    plan = lc.plan_long_context(config, tokens, gpu_bytes=gpu, host_bytes=host)
+    assert plan.fits and plan.model.peak(tokens) <= gpu and plan.model.host_per_token * tokens <= host
+    settings = {"tiled_mlp_tokens": plan.tiled_mlp, "tiled_gdn_tokens": plan.tiled_gdn}
+    settings = {k: v for k, v in settings.items() if v}
+    assert plan.model.per_token == lc.bytes_per_token(config, offload=plan.offload_layers, **settings).per_token
+    if plan.offload_layers:  # the fewest layers
+        assert lc.bytes_per_token(config, offload=plan.offload_layers - 1, **settings).peak(tokens) > gpu
+    if plan.tiled_mlp or plan.tiled_gdn:  # nothing cheaper fits: no offload alone, and no MLP tile alone
+        assert not _fits(config, tokens, gpu, host)
+    if plan.tiled_gdn:
+        assert plan.tiled_mlp == plan.tiled_gdn
+        assert not any(_fits(config, tokens, gpu, host, tiled_mlp_tokens=t) for t in lc.PLAN_TILES if t < tokens)
+    for tile in (plan.tiled_mlp, plan.tiled_gdn):  # the largest tile that fits, shorter than the step
+        if tile:
+            assert tile < tokens and tile in lc.PLAN_TILES
+            larger = [t for t in lc.PLAN_TILES if tile < t < tokens]
+            assert not any(_fits(config, tokens, gpu, host, **{k: t for k in settings}) for t in larger)
+    assert f"planned for {tokens:,} tokens" in str(plan) and "(fits)" in str(plan)
+    assert plan.options() == {"tiled_mlp": plan.tiled_mlp, "tiled_gdn": plan.tiled_gdn,
+                              "offload_checkpoints": plan.offload_layers}
+
+
+def test_the_plan_at_32k_is_nothing_and_beyond_the_host_the_most_frugal_plan_does_not_fit():
+    from q35lab import e2e
+
+    config, GiB = e2e.config("9b"), 2**30
+    short = lc.plan_long_context(config, 32768, host_bytes=125 * GiB)
+    assert short.fits and (short.tiled_mlp, short.tiled_gdn, short.offload_layers) == (None, None, 0)
+    assert "nothing (the step fits as it is)" in str(short)
+    # the plan for half a million tokens on an H200 whose usable memory is 125 GiB tiles at 32k tokens or more:
+    # a 32k step under it runs untiled (a module tiles only a longer sequence)
+    long = lc.plan_long_context(config, 524288, gpu_bytes=125 * GiB, host_bytes=125 * GiB)
+    assert long.fits and long.tiled_gdn and long.tiled_gdn >= 32768
+    huge = lc.plan_long_context(config, 2**22, host_bytes=125 * GiB)
+    assert not huge.fits and huge.tiled_mlp == huge.tiled_gdn == min(lc.PLAN_TILES)
+    assert huge.model.host_per_token * 2**22 <= 125 * GiB - lc.HOST_RESERVE_BYTES
+    assert "does not fit even so" in str(huge)
+    with pytest.raises(ValueError, match=r"tokens: expected a positive int \(the longest step's tokens\), got 0"):
+        lc.plan_long_context(config, 0)
+    with pytest.raises(TypeError, match="tokens: expected a positive int"):
+        lc.plan_long_context(config, 1.5)
+
+
+def test_apply_to_qwen3_5_long_context_plans_the_options_says_so_and_refuses_them_twice(monkeypatch):
+    config = _model().config
+    tokens, rank = 2**20, 4
+    frugal = lc.bytes_per_token(config, tiled_mlp_tokens=4096, tiled_gdn_tokens=4096, lora_rank=rank, dtype_bytes=4)
+    gpu = frugal.peak(tokens) + 1  # only tiles fit: the plan must tile both
+    monkeypatch.setattr(lc, "usable_gpu_bytes", lambda device=None: gpu)
+    monkeypatch.setattr(lc, "host_memory_available", lambda: 0)  # no host memory: no offload
+    expected = lc.plan_long_context(config, tokens, gpu_bytes=gpu, host_bytes=0, lora_rank=rank, dtype_bytes=4)
+    assert expected.fits and expected.tiled_gdn and expected.offload_layers == 0
+    model = _model(rank=rank, targets=GDN_TARGETS + MLP_TARGETS)
+    report = q35lab.apply_to_qwen3_5(model, long_context=tokens)
+    assert report.runs["long context"] == str(expected)
+    assert report.replaced[f"Qwen3_5MLP (tiled, {expected.tiled_mlp} tokens a tile)"] == 2
+    assert report.replaced[f"Qwen3_5GatedDeltaNet (tiled, {expected.tiled_gdn} tokens a tile)"] == 1
+    assert not any("offloaded" in name for name in report.replaced)
+    reverted = q35lab.revert(model)
+    assert reverted.reverted["Qwen3_5MLP (tiled)"] == 2
+    with pytest.raises(ValueError, match="long_context: it plans tiled_mlp, tiled_gdn and offload_checkpoints"):
+        q35lab.apply_to_qwen3_5(_model(), long_context=tokens, tiled_mlp=8)
+    with pytest.raises(ValueError, match=r"long_context: expected a positive int \(the longest step's tokens\)"):
+        q35lab.apply_to_qwen3_5(_model(), long_context=0)
+    with pytest.raises(TypeError, match="long_context: Linear has no transformers config"):
+        q35lab.apply_to_qwen3_5(torch.nn.Linear(4, 4), long_context=tokens)
+
+
+def test_the_long_context_variant_plans_for_half_a_million_tokens_even_at_a_short_step():
+    from q35lab import e2e
+
+    model = e2e.build("tiny", 2, rank=8, device=device(), dtype=torch.float32)
+    report = e2e.prepare(model, "q35lab+long_context", tokens=16)
+    assert report.runs["long context"].startswith("planned for 524,288 tokens: nothing"), report

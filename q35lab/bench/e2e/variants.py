@@ -14,12 +14,17 @@ ALL_FLAGS = ("rms_norm", "gated_norm", "lora", "in_proj", "flce", "conv", "swigl
 #: q35lab+long, the GatedDeltaNet) in tiles of this many tokens, and the decoder layers'
 #: checkpoint inputs offloaded to host memory.
 TILE_TOKENS = 8192
+#: q35lab+long_context plans its options for steps of this many tokens (or the step's, if longer):
+#: at 32k it measures what the switch a half-million-token user turns on costs a shorter step.
+PLAN_TOKENS = 512 * 1024
 LONG_CONTEXT = {
     "q35lab+tiled": "q35lab with the sequence-tiled MLP (tiles of 8192 tokens)",
     "q35lab+tiled_gdn": "q35lab with the sequence-tiled GatedDeltaNet (tiles of 8192 tokens)",
     "q35lab+offload": "q35lab with decoder-layer checkpoints offloaded to host memory (as many layers as it holds)",
     "q35lab+long": "q35lab with all three: the tiled MLP, the tiled GatedDeltaNet (tiles of 8192 tokens) and the "
                    "checkpoint offload of the fewest layers the memory model says the step needs",
+    "q35lab+long_context": "q35lab with apply_to_qwen3_5(long_context=N): the options planned for N = 524,288 tokens "
+                           "(or the step's, if longer) on this GPU and host",
 }
 VARIANTS = {
     "peft": "PEFT with its defaults (fp32 adapters, input cast)",
@@ -55,6 +60,8 @@ def prepare(model, variant: str, tokens: int | None = None):
         return _axolotl_patches(model, liger=variant == "peft+liger+axolotl")
     from ...patch import apply_to_qwen3_5
 
+    if variant == "q35lab+long_context":
+        return apply_to_qwen3_5(model, long_context=max(tokens or 0, PLAN_TOKENS))
     if variant in LONG_CONTEXT:
         options = {}
         if variant in ("q35lab+tiled", "q35lab+long"):
