@@ -555,7 +555,10 @@ class _GatedDeltaNetTile:
     """
 
     def __init__(self, gdn: torch.nn.Module, attention_mask: torch.Tensor | None, kwargs: dict):
+        from .patch import switched_to_q35lab
+
         self.gdn, self.mask, self.kwargs = gdn, attention_mask, kwargs
+        self.switched = switched_to_q35lab
         # resolved once a call: the forward's tiles and their recompute in backward use the same
         self.conv, self.core = _conv_function(gdn), _core_function(gdn)
         self.repeat = _forward_repeats_key_heads(type(gdn))
@@ -587,8 +590,9 @@ class _GatedDeltaNetTile:
         if self.repeat and group > 1:
             query = query.repeat_interleave(group, dim=2)
             key = key.repeat_interleave(group, dim=2)
-        out, state = self.core(query, key, value, g=g, beta=beta, initial_state=state, output_final_state=True,
-                               use_qk_l2norm_in_kernel=True, cu_seqlens=None, **self.core_kwargs)
+        with self.switched(gdn):  # q35lab's wrapper of the core, as in the patched forward (q, k, v copied for fla)
+            out, state = self.core(query, key, value, g=g, beta=beta, initial_state=state, output_final_state=True,
+                                   use_qk_l2norm_in_kernel=True, cu_seqlens=None, **self.core_kwargs)
         out = gdn.norm(out.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))
         y = gdn.out_proj(out.reshape(batch, tokens, -1))
         keep = min(gdn.conv_kernel_size - 1, rows.shape[1])

@@ -7,6 +7,7 @@ checkpoints keep seeing them). ``revert`` puts the originals back. Both are idem
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import inspect
@@ -535,20 +536,32 @@ class _PerSequenceDeltaRule:
 _DELTA_RULE_SWITCHES: dict = {}
 
 
+@contextlib.contextmanager
+def switched_to_q35lab(gdn: torch.nn.Module):
+    """While the block runs, the GatedDeltaNet's modeling module calls q35lab's convolution and
+    delta-rule wrapper (``_PerSequenceDeltaRule``: packed boundaries honoured, q, k, v copied by
+    ``contiguous_rows`` for fla) where this layer's conv is patched by its module's switches;
+    nothing changes for a layer that is not (or is patched through its own attribute)."""
+    switches = []
+    if _marked(gdn, _CONV) not in (None, "attribute"):  # patched through its module's switches
+        name = type(gdn).__module__
+        switches = [s for s in (_CONV_SWITCHES.get(name), _DELTA_RULE_SWITCHES.get(name)) if s is not None]
+    for switch in switches:
+        switch.active += 1
+    try:
+        yield
+    finally:
+        for switch in switches:
+            switch.active -= 1
+
+
 class _SwitchedConvForward(_Forward):
     """A GatedDeltaNet's own forward, with its module's convolution switched to q35lab's (and its
     PyTorch delta rule to one that honours packed sequences' boundaries)."""
 
     def __call__(self, *args, **kwargs):
-        name = type(self.module).__module__
-        switches = [s for s in (_CONV_SWITCHES.get(name), _DELTA_RULE_SWITCHES.get(name)) if s is not None]
-        for switch in switches:
-            switch.active += 1
-        try:
+        with switched_to_q35lab(self.module):
             return type(self.module).forward(self.module, *args, **kwargs)
-        finally:
-            for switch in switches:
-                switch.active -= 1
 
 
 def _conv_style(gdn: torch.nn.Module) -> str | None:

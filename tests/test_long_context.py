@@ -734,16 +734,25 @@ def test_tiled_gated_delta_net_gives_the_output_and_every_gradient_of_the_module
     assert calls == ([11] if tile >= 11 else sizes + sizes[::-1])
 
 
-def test_tiled_gated_delta_net_patched_by_q35lab_fused_in_proj_triton_conv_and_gated_norm():
+def test_tiled_gated_delta_net_patched_by_q35lab_fused_in_proj_triton_conv_and_gated_norm(monkeypatch):
+    from q35lab import patch
+
     model = _model(targets=GDN_TARGETS, checkpointing=False)
     gdn64 = copy.deepcopy(_gdn(model)).double()  # transformers' own modules in fp64
     q35lab.apply_to_qwen3_5(model)
     gdn = _gdn(model)
     assert type(vars(gdn)["forward"]).__name__ == "_SwitchedConvForward"
+    # every tile's core goes through q35lab's wrapper of it, as the patched forward's does (on the GPU: q, k, v
+    # copied by contiguous_rows before fla, not by fla at a third of the copy rate)
+    switch, wrapped = patch._DELTA_RULE_SWITCHES[type(gdn).__module__], []
+    replacement = switch.replacement
+    monkeypatch.setattr(switch, "replacement", lambda: wrapped.append(1) or replacement())
     x = torch.randn(1, 7, TEXT["hidden_size"], device=device())
     w = torch.randn(1, 7, TEXT["hidden_size"], device=device())
     ref, ref64 = _gdn_outputs(gdn, x, w, None), _gdn_outputs(gdn64, x, w, None, torch.float64)
+    assert len(wrapped) == 1  # the untiled patched forward: one call
     out = _gdn_outputs(gdn, x, w, 2)  # tiles shorter than K − 1: a carry holds rows of two tiles
+    assert len(wrapped) == 1 + 2 * 4  # 4 tiles, each in the forward and again in the backward
     for i, (a, b, b64) in enumerate(zip(out, ref, ref64)):
         assert_close_by_rule(str(i), a, b, b64)
 
