@@ -33,7 +33,7 @@ def test_a_failed_clone_is_an_error_naming_the_address(tmp_path, monkeypatch):
         'REPO_URL = ""', f'REPO_URL = "{tmp_path / "no-such-repository"}"')
     with pytest.raises(SystemExit, match="git clone .*no-such-repository failed"):
         exec(source, {})
-    assert "NEEDS_GIB = 48" in source
+    assert f"NEEDS_GIB = {colab_cell.NEEDS_GIB['06_qwen3_5_end_to_end.ipynb']}" in source  # its own need, not the default
 
 
 def test_run_again_inside_the_clone_it_clones_nothing_and_installs_that_checkout(tmp_path, monkeypatch):
