@@ -84,6 +84,7 @@ __all__ = [
     "LongContextPlan",
     "PLAN_TILES",
     "usable_gpu_bytes",
+    "has_long_context_options",
     "H200_USABLE_BYTES",
 ]
 
@@ -1541,7 +1542,8 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
                     offload: float | int | bool = False,
                     lora_rank: int = 16, dtype_bytes: int = 2, weight_bytes: int | None = None,
                     adapter_bytes: int = 4, batch: int = 1, loss_chunk_bytes: int | None = None,
-                    slack_bytes: float = 2 * GiB, mlp_keeps_h: bool = False) -> MemoryModel:
+                    slack_bytes: float = 2 * GiB, mlp_keeps_h: bool = False,
+                    other_trainable_parameters: int = 0) -> MemoryModel:
     """Predict the peak's slope (bytes per token) of a Qwen3.5 LoRA step under gradient
     checkpointing, term by term, and its constant part.
 
@@ -1571,7 +1573,9 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
     forward and so keeps the SwiGLU output (I·e a token, and a tile's (H + 4I)·e when tiled) — where
     its adapter has dropout or a hook watches it, and in q35lab before ``swiglu_down`` (the H200
     measurements up to commit 38249b1, whose MLP backward also allocated fresh dgate and dup, 2I·e
-    more, which no setting here counts).
+    more, which no setting here counts). ``other_trainable_parameters``: parameters that train besides
+    the adapters (PEFT's ``modules_to_save``, a full fine-tune), each with a gradient of
+    ``weight_bytes`` and AdamW's two fp32 moments.
     """
     d = _dims(config)
     e, r = int(dtype_bytes), int(lora_rank)
@@ -1613,6 +1617,8 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
         "fused loss: one chunk of logits": loss_chunk_bytes,
         "slack: workspaces, allocator rounding": slack_bytes,
     }
+    if other_trainable_parameters:
+        fixed["other trainable parameters: gradients + AdamW moments"] = other_trainable_parameters * (weight_bytes + 8)
     if tiled_mlp_tokens is not None:
         # a tile's input, gate/up output and dh (h rebuilt in it): the untiled MLP's terms, a tile of them
         fixed["MLP: one tile's working set"] = (_check_tile_tokens(tiled_mlp_tokens, "tiled_mlp_tokens") * batch
@@ -1665,6 +1671,7 @@ class LongContextPlan:
     fits: bool
     model: MemoryModel
     gpu_bytes: float
+    host_known: bool = True
 
     def options(self) -> dict:
         """The plan as ``apply_to_qwen3_5``'s long-context keyword arguments."""
@@ -1675,30 +1682,45 @@ class LongContextPlan:
                   if self.offload_layers else None,
                   f"the MLP in tiles of {self.tiled_mlp:,} tokens" if self.tiled_mlp else None,
                   f"the GatedDeltaNet in tiles of {self.tiled_gdn:,} tokens" if self.tiled_gdn else None]
-        chosen = "; ".join(c for c in chosen if c) or "nothing (the step fits as it is)"
+        nothing = "nothing (the step fits as it is)" if self.fits else "no option that helps"
+        chosen = "; ".join(c for c in chosen if c) or nothing
         verdict = "fits" if self.fits else "does not fit even so"
+        host = f"{self.tokens * self.model.host_per_token / GiB:.1f} GiB" if self.host_known else "none (unknown)"
         return (f"planned for {self.tokens:,} tokens: {chosen}; predicted peak "
-                f"{self.model.peak(self.tokens) / GiB:.1f} of {self.gpu_bytes / GiB:.1f} GiB ({verdict})")
+                f"{self.model.peak(self.tokens) / GiB:.1f} of {self.gpu_bytes / GiB:.1f} GiB ({verdict}); "
+                f"host memory for checkpoints: {host}")
 
 
 def plan_long_context(config, tokens: int, *, gpu_bytes: float = H200_USABLE_BYTES, host_bytes: float | None = None,
-                      host_reserve_bytes: float = HOST_RESERVE_BYTES, **model_settings) -> LongContextPlan:
+                      host_reserve_bytes: float | None = None, **model_settings) -> LongContextPlan:
     """The cheapest long-context options under which a step of ``tokens`` (one row) is predicted to
     fit ``gpu_bytes``, by ``bytes_per_token``.
 
     The options are added in the order of what each cost a 9B step at 32k on the H200 (963ed32):
     the checkpoint offload (+0.07%: copies on a side stream) with the fewest layers that fit, then
     the tiled MLP (+1.1%: its recompute skips the down GEMM), then the tiled GatedDeltaNet as
-    well (+10.9%: under layer checkpointing it runs one GatedDeltaNet forward more). Each tiling
-    takes the largest tile of ``PLAN_TILES`` shorter than ``tokens`` that fits: a tile costs the
-    same recompute whatever its size, and larger tiles are fewer launches. A step that fits as it
-    is gets nothing. Where nothing fits, the most frugal plan (the smallest tiles, every layer
-    the host holds) with ``fits=False``.
+    well, at one tile size for both (+10.9%: under layer checkpointing it runs one GatedDeltaNet
+    forward more). The tile is the largest of ``PLAN_TILES`` shorter than ``tokens`` that fits: a
+    tile costs the same recompute whatever its size, and larger tiles are fewer launches. (At
+    Qwen3.5's own sizes the GatedDeltaNet's backward is the peak, so the MLP alone never helps and
+    a plan that tiles tiles both.) A step that fits as it is gets nothing. Where nothing fits, the
+    most frugal plan (the smallest tiles, every layer the host holds) with ``fits=False``.
+
+    ``host_bytes``: the host memory the offload may take (default ``host_memory_available()``;
+    where that is unknown, none: the plan does not offload), less ``host_reserve_bytes`` (default
+    ``default_host_reserve()``, as the offload itself keeps free).
 
     A plan made for the longest step also serves shorter ones: a module tiles only a sequence
     longer than its tile, so a step at most one tile long runs untiled and pays only the offload.
     """
     tokens = _check_tile_tokens(tokens, "tokens", "the longest step's tokens")
+    gpu_bytes = _memory_bytes(gpu_bytes, "gpu_bytes")
+    if host_bytes is None:
+        host_bytes = host_memory_available()
+    host_known = host_bytes is not None
+    host_bytes = 0.0 if host_bytes is None else _memory_bytes(host_bytes, "host_bytes")
+    if host_reserve_bytes is None:
+        host_reserve_bytes = default_host_reserve()
     tiles = [tile for tile in PLAN_TILES if tile < tokens]
     attempts = [{}] + [{"tiled_mlp_tokens": tile} for tile in tiles]
     if "linear_attention" in _dims(config).layer_types:
@@ -1711,7 +1733,23 @@ def plan_long_context(config, tokens: int, *, gpu_bytes: float = H200_USABLE_BYT
     model = bytes_per_token(config, offload=layers, **settings, **model_settings)
     return LongContextPlan(tokens=tokens, tiled_mlp=settings.get("tiled_mlp_tokens"),
                            tiled_gdn=settings.get("tiled_gdn_tokens"), offload_layers=layers, fits=fits, model=model,
-                           gpu_bytes=gpu_bytes)
+                           gpu_bytes=gpu_bytes, host_known=host_known)
+
+
+def _memory_bytes(value: object, name: str) -> float:
+    """A memory size in bytes: a finite real number, not below zero."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= float(value) < math.inf:
+        raise ValueError(f"{name}: expected a number of bytes (finite, at least 0), got {value!r}")
+    return float(value)
+
+
+def has_long_context_options(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has a tiled MLP or GatedDeltaNet, or decoder-layer checkpoints offloaded."""
+    if any(isinstance(vars(m).get("forward"), _TiledForward) for m in model.modules()):
+        return True
+    return any(bool(_guards(stack)) or any(isinstance(vars(layer).get("_gradient_checkpointing_func"), _OffloadedCheckpoint)
+                                           for layer in _stack_layers(stack))
+               for stack in _layer_stacks(model))
 
 
 def usable_gpu_bytes(device: torch.device | str | None = None) -> float:

@@ -14,6 +14,7 @@ import inspect
 import numbers
 import sys
 import types
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -1194,7 +1195,8 @@ def apply_to_qwen3_5(
     (``long_context.plan_long_context``: the memory model against the model's GPU, the cheapest
     options first, none where the step fits as it is) and the report's ``long context`` line says
     what it chose. A plan for N serves every shorter step too: a module tiles only a sequence
-    longer than its tile. Give either ``long_context`` or the three options, not both.
+    longer than its tile. Give either ``long_context`` or the three options, not both; the plan
+    covers the dense models (a MoE model is refused) and warns where nothing it can choose fits.
 
     With PEFT, patch the wrapped model (after ``get_peft_model``). LoRA layers added after a
     patch run PEFT's own forward until ``apply_to_qwen3_5`` is called again; the report of a
@@ -1215,6 +1217,8 @@ def apply_to_qwen3_5(
             raise ValueError("long_context: it plans tiled_mlp, tiled_gdn and offload_checkpoints itself; pass either "
                              "long_context or those options, not both")
         plan = _plan_long_context(model, long_context)
+        if not plan.fits:
+            warnings.warn(f"q35lab: long_context={long_context}: {plan}", stacklevel=2)
         tiled_mlp, tiled_gdn, offload_checkpoints = plan.tiled_mlp, plan.tiled_gdn, plan.offload_layers
     enabled = {"rms_norm": rms_norm, "gated_norm": gated_norm, "lora": lora, "in_proj": in_proj, "flce": flce,
                "conv": conv, "swiglu": swiglu, "experts": experts, "varlen_attention": varlen_attention}
@@ -1274,18 +1278,29 @@ def apply_to_qwen3_5(
 
 
 def _plan_long_context(model: torch.nn.Module, tokens) -> "long_context.LongContextPlan":
-    """``long_context.plan_long_context`` for this model: its text config, its LoRA rank, the
-    bytes of its weights' dtype (the activations'), and the memory of the GPU it is on."""
+    """``long_context.plan_long_context`` for this model: its text config, its LoRA rank, its other
+    trainable parameters, the bytes of its weights' dtype (the activations'), and the memory of
+    the GPU it is on. Refused where the memory model does not describe the step: a MoE model, a
+    model that carries long-context options already (a plan only adds)."""
     tokens = long_context._check_tile_tokens(tokens, "long_context", "the longest step's tokens")
     config = getattr(model, "config", None)
     if not hasattr(config, "get_text_config"):
         raise TypeError(f"long_context: {type(model).__name__} has no transformers config to plan from")
+    if getattr(config.get_text_config(), "num_experts", None):
+        raise NotImplementedError("long_context: the memory model covers the dense Qwen3.5 models, not the MoE; "
+                                  "pass tiled_gdn and offload_checkpoints yourself")
     weight = next(model.parameters(), None)
     if weight is None:
         raise TypeError(f"long_context: {type(model).__name__} has no parameters to plan for")
-    ranks = [max(m.r.values()) for m in model.modules() if _is_peft_lora_linear(m) and m.r]
+    if long_context.has_long_context_options(model):
+        raise ValueError("long_context: the model carries long-context options already (tiles or an offload); "
+                         "q35lab.revert(model) first, then patch it with the plan")
+    lora = [m for m in model.modules() if _is_peft_lora_linear(m) and m.r]
+    adapters = {id(p) for m in lora for name, p in m.named_parameters() if "lora_" in name}
+    others = sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in adapters)
     return long_context.plan_long_context(config, tokens, gpu_bytes=long_context.usable_gpu_bytes(weight.device),
-                                          lora_rank=max(ranks, default=0), dtype_bytes=weight.element_size())
+                                          lora_rank=max((max(m.r.values()) for m in lora), default=0),
+                                          dtype_bytes=weight.element_size(), other_trainable_parameters=others)
 
 
 def _tile_mlp(mlp: torch.nn.Module, tile_tokens: int, report: "PatchReport") -> None:

@@ -996,6 +996,10 @@ def test_the_long_variant_tiles_the_gated_delta_nets_too():
 # ----------------------------------------------------------------------------------------------
 # the one switch: long_context=N plans the three options
 # ----------------------------------------------------------------------------------------------
+def _plan(config, tokens, **settings):  # the H200 machine's reserve, whatever this machine's memory
+    return lc.plan_long_context(config, tokens, host_reserve_bytes=lc.HOST_RESERVE_BYTES, **settings)
+
+
 def _fits(config, tokens, gpu_bytes, host_bytes, **settings):
     return lc.plan_offload_layers(config, tokens, gpu_bytes=gpu_bytes, host_bytes=host_bytes, **settings)[1]
 
@@ -1007,7 +1011,7 @@ def test_the_plan_takes_the_cheapest_options_that_fit_with_the_largest_tiles(tok
 
     config, GiB = e2e.config("9b"), 2**30
     gpu, host = gpu_gib * GiB, 125 * GiB
-    plan = lc.plan_long_context(config, tokens, gpu_bytes=gpu, host_bytes=host)
+    plan = _plan(config, tokens, gpu_bytes=gpu, host_bytes=host)
     assert plan.fits and plan.model.peak(tokens) <= gpu and plan.model.host_per_token * tokens <= host
     settings = {"tiled_mlp_tokens": plan.tiled_mlp, "tiled_gdn_tokens": plan.tiled_gdn}
     settings = {k: v for k, v in settings.items() if v}
@@ -1033,14 +1037,14 @@ def test_the_plan_at_32k_is_nothing_and_beyond_the_host_the_most_frugal_plan_doe
     from q35lab import e2e
 
     config, GiB = e2e.config("9b"), 2**30
-    short = lc.plan_long_context(config, 32768, host_bytes=125 * GiB)
+    short = _plan(config, 32768, host_bytes=125 * GiB)
     assert short.fits and (short.tiled_mlp, short.tiled_gdn, short.offload_layers) == (None, None, 0)
     assert "nothing (the step fits as it is)" in str(short)
     # the plan for half a million tokens on an H200 whose usable memory is 125 GiB tiles at 32k tokens or more:
     # a 32k step under it runs untiled (a module tiles only a longer sequence)
-    long = lc.plan_long_context(config, 524288, gpu_bytes=125 * GiB, host_bytes=125 * GiB)
+    long = _plan(config, 524288, gpu_bytes=125 * GiB, host_bytes=125 * GiB)
     assert long.fits and long.tiled_gdn and long.tiled_gdn >= 32768
-    huge = lc.plan_long_context(config, 2**22, host_bytes=125 * GiB)
+    huge = _plan(config, 2**22, host_bytes=125 * GiB)
     assert not huge.fits and huge.tiled_mlp == huge.tiled_gdn == min(lc.PLAN_TILES)
     assert huge.model.host_per_token * 2**22 <= 125 * GiB - lc.HOST_RESERVE_BYTES
     assert "does not fit even so" in str(huge)
@@ -1081,3 +1085,46 @@ def test_the_long_context_variant_plans_for_half_a_million_tokens_even_at_a_shor
     model = e2e.build("tiny", 2, rank=8, device=device(), dtype=torch.float32)
     report = e2e.prepare(model, "q35lab+long_context", tokens=16)
     assert report.runs["long context"].startswith("planned for 524,288 tokens: nothing"), report
+
+
+def test_the_switch_refuses_a_moe_model_and_a_model_planned_already_and_counts_other_trainable_weights():
+    from tiny_models import moe_causal_lm
+
+    with pytest.raises(NotImplementedError, match="long_context: the memory model covers the dense"):
+        q35lab.apply_to_qwen3_5(moe_causal_lm(), long_context=4096)
+    model = _model()
+    q35lab.apply_to_qwen3_5(model, tiled_mlp=8)
+    assert lc.has_long_context_options(model)
+    with pytest.raises(ValueError, match="long_context: the model carries long-context options already"):
+        q35lab.apply_to_qwen3_5(model, long_context=4096)
+    q35lab.revert(model)
+    assert not lc.has_long_context_options(model)
+    offloaded = _model()
+    lc.offload_decoder_layers(offloaded, 1.0)
+    assert lc.has_long_context_options(offloaded)
+    # weights that train besides the adapters (modules_to_save, a full fine-tune): their gradients and AdamW moments
+    whole = _model()
+    whole.base_model.model.lm_head.weight.requires_grad_(True)
+    report = q35lab.apply_to_qwen3_5(whole, long_context=4096)
+    n = whole.base_model.model.lm_head.weight.numel()
+    plan = lc.plan_long_context(whole.config, 4096, gpu_bytes=lc.usable_gpu_bytes(), lora_rank=4, dtype_bytes=4,
+                                other_trainable_parameters=n)
+    assert plan.model.fixed["other trainable parameters: gradients + AdamW moments"] == n * (4 + 8)
+    assert report.runs["long context"] == str(plan)
+
+
+def test_a_plan_without_host_memory_does_not_offload_and_one_that_cannot_fit_warns(monkeypatch):
+    from q35lab import e2e
+
+    config, GiB = e2e.config("9b"), 2**30
+    monkeypatch.setattr(lc, "host_memory_available", lambda: None)  # unknown: no offload planned
+    plan = lc.plan_long_context(config, 524288)
+    assert plan.offload_layers == 0 and plan.tiled_gdn and "host memory for checkpoints: none (unknown)" in str(plan)
+    tight = lc.plan_long_context(config, 4096, gpu_bytes=1 * GiB, host_bytes=0)
+    assert not tight.fits and "no option that helps" in str(tight) and "fits as it is" not in str(tight)
+    for bad in (-1, float("nan"), "139", True):
+        with pytest.raises(ValueError, match="gpu_bytes: expected a number of bytes"):
+            lc.plan_long_context(config, 4096, gpu_bytes=bad)
+    monkeypatch.setattr(lc, "usable_gpu_bytes", lambda device=None: 1.0)  # nothing fits
+    with pytest.warns(UserWarning, match=r"long_context=4096: .*does not fit even so"):
+        q35lab.apply_to_qwen3_5(_model(), long_context=4096)
