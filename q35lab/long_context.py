@@ -477,6 +477,12 @@ def _is_gated_delta_net(module: torch.nn.Module) -> bool:
     return is_gdn(module)
 
 
+def _switched_to_q35lab(gdn: torch.nn.Module):
+    from .patch import switched_to_q35lab
+
+    return switched_to_q35lab(gdn)
+
+
 def _modeling_module(gdn: torch.nn.Module):
     return sys.modules[type(gdn).__module__]
 
@@ -556,10 +562,7 @@ class _GatedDeltaNetTile:
     """
 
     def __init__(self, gdn: torch.nn.Module, attention_mask: torch.Tensor | None, kwargs: dict):
-        from .patch import switched_to_q35lab
-
         self.gdn, self.mask, self.kwargs = gdn, attention_mask, kwargs
-        self.switched = switched_to_q35lab
         # resolved once a call: the forward's tiles and their recompute in backward use the same
         self.conv, self.core = _conv_function(gdn), _core_function(gdn)
         self.repeat = _forward_repeats_key_heads(type(gdn))
@@ -591,7 +594,7 @@ class _GatedDeltaNetTile:
         if self.repeat and group > 1:
             query = query.repeat_interleave(group, dim=2)
             key = key.repeat_interleave(group, dim=2)
-        with self.switched(gdn):  # q35lab's wrapper of the core, as in the patched forward (q, k, v copied for fla)
+        with _switched_to_q35lab(gdn):  # q35lab's wrapper of the core, as in the patched forward (q, k, v copied for fla)
             out, state = self.core(query, key, value, g=g, beta=beta, initial_state=state, output_final_state=True,
                                    use_qk_l2norm_in_kernel=True, cu_seqlens=None, **self.core_kwargs)
         out = gdn.norm(out.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))

@@ -151,9 +151,10 @@ case $stage in
   long)  # a step at 512k is predicted at ~4 min (attention alone ~190 s): one T fits a call
     # LONG_VARIANT: q35lab+long (fixed 8192-token tiles, planned offload; the default) or q35lab+long_context (planned)
     [[ -n ${LONG_T:-} ]] || { echo "long: set LONG_T (the lengths to try, in order)"; exit 2; }
+    variant=${LONG_VARIANT:-q35lab+long}
     for T in $LONG_T; do
-      e2e 450 ${LONG_VARIANT:-q35lab+long} "$T" --size 9b --steps 1 --warmup 0
-      python3 - "$csv" "$T" "${LONG_VARIANT:-q35lab+long}" <<'EOF' && break  # stop at the first that fits
+      e2e 450 $variant "$T" --size 9b --steps 1 --warmup 0
+      python3 - "$csv" "$T" "$variant" <<'EOF' && break  # stop at the first that fits
 import sys, pandas as pd
 rows = pd.read_csv(sys.argv[1])
 row = rows[(rows.variant == sys.argv[3]) & (rows["T"] == int(sys.argv[2]))]
