@@ -181,13 +181,17 @@ def _assert_every_result_by_rule(run, args, args64, trained):
         assert_close_by_rule(f"d{name}", a, b, c)
 
 
-@pytest.mark.parametrize("lead,dtype", [
-    ((7,), torch.float32), ((2, 5), torch.float32), ((1,), torch.float32), ((), torch.float32),  # rows, batched, 1, a vector
-    ((3, 43), torch.bfloat16),  # bf16 with enough elements for the rule's maxima to be stable
+@pytest.mark.parametrize("lead,K,N,r,dtype", [
+    ((7,), 37, 19, 3, torch.float32), ((2, 5), 37, 19, 3, torch.float32),  # rows, batched
+    ((1,), 37, 19, 3, torch.float32), ((), 37, 19, 3, torch.float32),  # one row, a vector
+    # bf16: the rule compares two maxima of rounding errors, and over few elements their ratio
+    # is noisy (at 129 x 37 -> 19, r = 3 it passed 2 in ~1% of draws though the mean ratio is
+    # 0.93); at 344 x 257 -> 129, r = 8 none of 10,000 draws came above 1.92.
+    ((8, 43), 257, 129, 8, torch.bfloat16),
 ])
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_output_can_be_edited_in_place_like_f_linear(lead, dtype, bias):
-    args, args64, trained = _problem(lead, 37, 19, 3, bias, dtype)
+def test_the_output_can_be_edited_in_place_like_f_linear(lead, K, N, r, dtype, bias):
+    args, args64, trained = _problem(lead, K, N, r, bias, dtype)
 
     def edited(fn, a):
         y = fn(a["x"], a["weight"], a["lora_A"], a["lora_B"], 1.5, a["bias"])
