@@ -19,9 +19,9 @@ def toy_corpus(n_sequences: int, length: int, vocab: int, seed: int = 0) -> torc
     """``[n_sequences, length]`` token ids a tiny model learns in a few hundred CPU steps.
 
     Each sequence is an arithmetic progression modulo the vocabulary, ``x_{t+1} = (x_t + k) mod V``,
-    with a random start and a step ``k`` from {1, 2, 3, 5, 7}: the first token is a guess (ln V),
-    the second one of five, the rest follow. A model that learns the rule brings the mean loss
-    from ln V to about (ln V + ln 5) / length.
+    with a random start and a step ``k`` from {1, 2, 3, 5, 7}. A causal LM never predicts the first
+    token; the second is one of five, the rest follow. A model that learns the rule brings the mean
+    loss from ln V to about ln 5 / (length − 1).
     """
     generator = torch.Generator(device="cpu").manual_seed(seed)
     start = torch.randint(0, vocab, (n_sequences, 1), generator=generator)
