@@ -181,9 +181,12 @@ def _assert_every_result_by_rule(run, args, args64, trained):
         assert_close_by_rule(f"d{name}", a, b, c)
 
 
+SMALL = (37, 19, 3)  # K, N, r: odd widths
+
+
 @pytest.mark.parametrize("lead,K,N,r,dtype", [
-    ((7,), 37, 19, 3, torch.float32), ((2, 5), 37, 19, 3, torch.float32),  # rows, batched
-    ((1,), 37, 19, 3, torch.float32), ((), 37, 19, 3, torch.float32),  # one row, a vector
+    ((7,), *SMALL, torch.float32), ((2, 5), *SMALL, torch.float32),  # rows, batched
+    ((1,), *SMALL, torch.float32), ((), *SMALL, torch.float32),  # one row, a vector
     # bf16: the rule compares two maxima of rounding errors, and over few elements their ratio
     # is noisy (at 129 x 37 -> 19, r = 3 it passed 2 in ~1% of draws though the mean ratio is
     # 0.93); at 344 x 257 -> 129, r = 8 none of 10,000 draws came above 1.92.
