@@ -174,7 +174,8 @@ def kernel_ms(calls: list[Callable[[], object]]) -> float:
 
     for activities in ([ProfilerActivity.CUDA], [ProfilerActivity.CPU, ProfilerActivity.CUDA]):
         torch.cuda.synchronize()
-        with profile(activities=activities) as prof:
+        # acc_events: one cycle either way; without it PyTorch warns that events clear between cycles
+        with profile(activities=activities, acc_events=True) as prof:
             for call in calls:
                 call()
             torch.cuda.synchronize()
