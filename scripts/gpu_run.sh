@@ -106,7 +106,9 @@ e2e_csv=data/bench/$gpu/${E2E_OUT:-end_to_end.csv}
 [[ $STEPS == *bench* ]] && step bench env PYTHONPATH=$WITH_FLA python3 -m q35lab bench $OPS ${BENCH_T:+--T $BENCH_T} "$@"
 [[ $STEPS == *bench* ]] && step plots python3 -m q35lab plots
 if [[ $STEPS == *notebooks* ]]; then  # one step per notebook: a slow one cannot starve the next
-  for nb in $(cd notebooks && ls $NOTEBOOKS); do
+  # in the order NOTEBOOKS names them (`ls` of the whole list sorted it: on 2026-12-05 a call that named
+  # 04 05 06 07 02 03 01 ran 01 first and was cut in 06)
+  for nb in $(cd notebooks && for pattern in $NOTEBOOKS; do ls -d $pattern; done); do
     (cd notebooks && step "notebooks_${nb%.ipynb}" python3 -m pytest -q -p no:cacheprovider \
         -o addopts="" --nbmake --nbmake-timeout=600 --overwrite "$nb")
   done
