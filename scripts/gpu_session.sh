@@ -47,7 +47,11 @@
 set -uo pipefail
 [[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|ops_new|step|peers|peers_at|ablation|sizes9b|floors|big35|big27|packed|padded|current_tf|flex|long_cost|long|fsdp|unsloth|notebooks ..."; exit 2; }
 [[ -n ${Q35LAB_COMMIT:-} ]] || echo "warning: Q35LAB_COMMIT is not set: the rows take the device's git metadata, which can be stale"
-csv=data/bench/nvidia-h200/end_to_end.csv
+# the GPU's folder under data/bench/ (q35lab.bench.core.gpu_slug's rule: "NVIDIA H200" -> nvidia-h200)
+bench=data/bench/$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 \
+                   | tr '[:upper:]' '[:lower:]' | tr -cs 'a-z0-9' '-' | sed 's/^-*//; s/-*$//')
+[[ $bench != data/bench/ ]] || bench=data/bench/cpu
+csv=$bench/end_to_end.csv
 e2e() {  # e2e SECONDS VARIANTS T ARGS...
   local limit=$1 variants=$2 T=$3; shift 3
   STEPS=e2e E2E_VARIANTS="$variants" E2E_T="$T" E2E_ARGS="$*" TIMEOUT_e2e=$limit bash scripts/gpu_run.sh
@@ -55,10 +59,10 @@ e2e() {  # e2e SECONDS VARIANTS T ARGS...
 beside_own_call() {  # beside_own_call FILE SECONDS VARIANTS T ARGS...: e2e's rows of this run joined to FILE
   # beside every earlier call's (scripts/join_calls.py): merged straight in, a q35lab row replaced the
   # baseline of an earlier call's options (2026-12-03)
-  local kept=data/bench/nvidia-h200/$1 call=${1%.csv}_call.csv; shift
-  rm -f data/bench/nvidia-h200/$call
+  local kept=$bench/$1 call=${1%.csv}_call.csv; shift
+  rm -f $bench/$call
   E2E_OUT=$call e2e "$@"
-  python3 scripts/join_calls.py data/bench/nvidia-h200/$call "$kept"
+  python3 scripts/join_calls.py $bench/$call "$kept"
   STEPS=pack bash scripts/gpu_run.sh >/dev/null  # the step packed before the join: 963ed32's last row came back unjoined
 }
 for stage in "$@"; do
@@ -170,7 +174,7 @@ EOF
     for v in q35lab peft+liger; do
       PYTHONPATH=$( [[ -d /tmp/tri/triton ]] && echo /tmp/tri: )/tmp/site_fla:/tmp/site:$PWD timeout 300 \
         python3 -m torch.distributed.run --standalone --nproc_per_node="$gpus" scripts/fsdp2_step.py \
-        --size 9b --T 32768 --steps 2 --variant $v --out data/bench/nvidia-h200/fsdp2_step.jsonl 2>&1 | tail -n 5
+        --size 9b --T 32768 --steps 2 --variant $v --out $bench/fsdp2_step.jsonl 2>&1 | tail -n 5
     done
     ;;
   unsloth)  # Unsloth's Qwen3.5 LoRA path (carry .whl-unsloth, not .whl-peers) beside q35lab and PEFT + Liger, in a
@@ -192,7 +196,7 @@ EOF
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done
-python3 - "$csv" <<'EOF'
+[[ -f $csv ]] && python3 - "$csv" <<'EOF'
 import sys, pandas as pd
 rows = pd.read_csv(sys.argv[1])
 cols = [c for c in ("variant", "size", "T", "batch", "status", "step_ms", "peak_gib", "floor_ms", "loss_first") if c in rows]
