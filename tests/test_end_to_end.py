@@ -227,6 +227,20 @@ def test_unknown_variant_is_refused():
         e2e.prepare(_model(), "fastest")
 
 
+@pytest.mark.parametrize("batch, packing", [(None, None), ("packed", None), ("padded", False)])
+@pytest.mark.parametrize("variant", ["peft+axolotl", "peft+liger+axolotl"])
+def test_axolotl_packing_forward_only_where_the_batch_is_not_padded(monkeypatch, variant, batch, packing):
+    """axolotl installs its packing forward for sample packing only; a padded run of several rows
+    must not get it (it turns their position_ids into one set of cu_seqlens, which FLA refuses)."""
+    from q35lab.bench.e2e import variants
+
+    seen = []
+    monkeypatch.setattr(variants, "_axolotl_patches",
+                        lambda model, packing=None, liger=False: seen.append((packing, liger)) or "patched")
+    assert e2e.prepare(_model(), variant, tokens=16, batch=batch) == "patched"
+    assert seen == [(packing, variant == "peft+liger+axolotl")]
+
+
 @pytest.mark.parametrize("flag", ["lora", "varlen_attention"])
 def test_one_optimization_alone_or_all_but_one(flag):
     """"q35lab:<flag>" turns on that optimization only, "q35lab-<flag>" every one but it (the

@@ -132,7 +132,7 @@ def _one_variant(args) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:  # (before transformers is imported here: Unsloth patches it as it is imported)
         model = _built(args, device)
-        report, missing = prepare(model, args.variant, tokens=max(_sizes(args))), ""
+        report, missing = prepare(model, args.variant, tokens=max(_sizes(args)), batch=args.batch), ""
     except ImportError as exc:  # a peer that is not installed is a row that says so
         model, report, missing = None, None, f"not installed: {exc.name or exc}"
     import transformers

@@ -42,9 +42,12 @@ VARIANTS = {
 }
 
 
-def prepare(model, variant: str, tokens: int | None = None):
+def prepare(model, variant: str, tokens: int | None = None, batch: str | None = None):
     """Apply ``variant`` to a PEFT model in place; returns what the patch reported (or None).
-    ``tokens``, the longest sequence the model will train on, sizes the checkpoint offload."""
+    ``tokens``, the longest sequence the model will train on, sizes the checkpoint offload.
+    ``batch`` (None, "packed" or "padded"), the kind of batch it will train on: axolotl installs its
+    packing forward only for packed runs, and that forward turns the position_ids of a padded batch
+    of several rows into one set of cu_seqlens, which FLA refuses (a row of 2026-12-06)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant: expected one of {sorted(VARIANTS)}, got {variant!r}")
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -57,7 +60,8 @@ def prepare(model, variant: str, tokens: int | None = None):
         getattr(liger, "apply_liger_kernel_to_qwen3_5_moe" if moe else "apply_liger_kernel_to_qwen3_5")(model=base)
         return None
     if variant in ("peft+axolotl", "peft+liger+axolotl"):
-        return _axolotl_patches(model, liger=variant == "peft+liger+axolotl")
+        return _axolotl_patches(model, packing=False if batch == "padded" else None,
+                                liger=variant == "peft+liger+axolotl")
     from ...patch import apply_to_qwen3_5
 
     if variant == "q35lab+long_context":
