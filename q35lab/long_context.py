@@ -1008,7 +1008,10 @@ class CheckpointOffloader:
             return False
         if isinstance(t._base, torch.nn.Parameter):
             return False
-        if t.numel() * t.element_size() < self.min_bytes:
+        if t.numel() == 0 or t.numel() * t.element_size() < self.min_bytes:
+            # empty: nothing to move. torch's non-reentrant checkpoint saves one per call (a CPU
+            # placeholder), whose data pointer, 0, an empty parameter's storage may share or not:
+            # counted as offloaded it doubled the count on the GPU (notebook 06, an H100, 2026-12-06)
             return False
         return not (self._parameter_storages and t.untyped_storage().data_ptr() in self._parameter_storages)
 

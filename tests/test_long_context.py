@@ -517,6 +517,21 @@ def test_offloaded_checkpoints_context_moves_activations_never_parameters():
     assert isinstance(offloader.pack(torch.randn(4, 64)), lc._HostCopy)
 
 
+@pytest.mark.parametrize("exclude_parameters", [False, True])
+def test_an_empty_saved_tensor_is_kept_whatever_the_parameters(exclude_parameters):
+    """An empty tensor moves nothing (the non-reentrant checkpoint saves an empty CPU placeholder on
+    every call); whether it was kept hung on whether some parameter's storage shared its null data
+    pointer, so the count of offloaded tensors differed between the CPU and the GPU."""
+    offloader = lc.CheckpointOffloader(min_bytes=0)
+    if exclude_parameters:
+        offloader.exclude_parameters_of(torch.nn.Linear(8, 8, device=device()))
+    with offloader.hooks():
+        assert isinstance(offloader.pack(torch.empty(0)), lc._Kept)
+        assert isinstance(offloader.pack(torch.empty(0, 64, device=device())), lc._Kept)
+        assert isinstance(offloader.pack(torch.randn(2, 64, device=device())), lc._HostCopy)
+    assert offloader.stats["offloaded"] == 1 and offloader.stats["kept"] == 2
+
+
 def test_offload_and_tiling_together_with_retain_graph_twice():
     ids = torch.randint(0, 128, (1, 11), device=device())
     reference = _model()
