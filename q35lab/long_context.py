@@ -1009,9 +1009,9 @@ class CheckpointOffloader:
         if isinstance(t._base, torch.nn.Parameter):
             return False
         if t.numel() == 0 or t.numel() * t.element_size() < self.min_bytes:
-            # empty: nothing to move. torch's non-reentrant checkpoint saves one per call (a CPU
-            # placeholder), whose data pointer, 0, an empty parameter's storage may share or not:
-            # counted as offloaded it doubled the count on the GPU (notebook 06, an H100, 2026-12-06)
+            # empty: nothing to move. On an H100 (torch 2.11, CUDA) each non-reentrant checkpoint
+            # call also saved an empty CPU tensor, which was counted as offloaded: 8 tensors for 4
+            # layers in notebook 06 (2026-12-06); torch 2.13 on a CPU saves none
             return False
         return not (self._parameter_storages and t.untyped_storage().data_ptr() in self._parameter_storages)
 
