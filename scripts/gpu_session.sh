@@ -47,10 +47,7 @@
 set -uo pipefail
 [[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|ops_new|step|peers|peers_at|ablation|sizes9b|floors|big35|big27|packed|padded|current_tf|flex|long_cost|long|fsdp|unsloth|notebooks ..."; exit 2; }
 [[ -n ${Q35LAB_COMMIT:-} ]] || echo "warning: Q35LAB_COMMIT is not set: the rows take the device's git metadata, which can be stale"
-# the GPU's folder under data/bench/ (q35lab.bench.core.gpu_slug's rule: "NVIDIA H200" -> nvidia-h200)
-bench=data/bench/$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 \
-                   | tr '[:upper:]' '[:lower:]' | tr -cs 'a-z0-9' '-' | sed 's/^-*//; s/-*$//')
-[[ $bench != data/bench/ ]] || bench=data/bench/cpu
+bench=data/bench/$(python3 -c "from q35lab.bench import core; print(core.gpu_slug())")  # as gpu_run.sh names it
 csv=$bench/end_to_end.csv
 e2e() {  # e2e SECONDS VARIANTS T ARGS...
   local limit=$1 variants=$2 T=$3; shift 3
