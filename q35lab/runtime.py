@@ -24,7 +24,8 @@ import warnings
 
 import torch
 
-__all__ = ["INTERPRET", "DEVICE", "device", "smoke", "interpreter_notice", "Q35labNotice", "InterpreterRefusedError"]
+__all__ = ["INTERPRET", "DEVICE", "device", "smoke", "interpreter_notice", "quiet_notebook_notices", "Q35labNotice",
+           "InterpreterRefusedError"]
 
 
 class Q35labNotice(UserWarning):
@@ -166,3 +167,25 @@ def device() -> torch.device:
 def smoke() -> bool:
     """True when only correctness can be checked: tiny sizes, no timings worth reporting."""
     return INTERPRET or DEVICE.type != "cuda"
+
+
+#: Notices other libraries print that say nothing about a q35lab notebook: tqdm's when the widget
+#: library is missing (its bars print as text), PyTorch's when autograd's thread first calls cuBLAS
+#: (harmless: it makes the context itself).
+_UNRELATED_WARNINGS = ("IProgress not found", "Attempting to run cuBLAS, but there was no current CUDA context")
+
+
+def quiet_notebook_notices() -> None:
+    """Silence the notices that are not about the notebook, so that its outputs hold only its own.
+
+    Call it before ``import transformers``: importing transformers imports tqdm, which warns at
+    import. Besides ``_UNRELATED_WARNINGS`` it hides transformers' log line that the
+    ``causal_conv1d`` package is not installed (notebook 07 is about that convolution). Every other
+    warning and log line is left as it is.
+    """
+    for message in _UNRELATED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+    from transformers.utils import logging as transformers_logging  # after the filters
+
+    for handler in transformers_logging.get_logger().handlers:
+        handler.addFilter(lambda record: "causal_conv1d" not in record.getMessage())

@@ -141,3 +141,24 @@ def test_a_cpu_tensor_where_triton_runs_compiled_is_named(monkeypatch):
     strided = torch.randn(5, 2 * width)[:, :width]  # rows with a stride: the kernel's case, copied by torch here
     copied = contiguous_rows(strided)
     assert copied.is_contiguous() and torch.equal(copied, strided)
+
+
+QUIET_PROBE = (
+    "import logging, warnings\n"
+    "from q35lab import runtime\n"
+    "runtime.quiet_notebook_notices()\n"
+    "with warnings.catch_warnings(record=True) as caught:\n"
+    "    warnings.warn('IProgress not found. Please update jupyter and ipywidgets.')\n"
+    "    warnings.warn('a warning of the notebook itself')\n"
+    "print('warned:', [str(w.message) for w in caught])\n"
+    "from transformers.utils import logging as tl\n"
+    "tl.get_logger('transformers.models.qwen3_5').warning('causal_conv1d is not installed')\n"
+    "tl.get_logger('transformers.models.qwen3_5').warning('a log line of the notebook itself')\n"
+)
+
+
+def test_quiet_notebook_notices_hides_only_the_unrelated_ones():
+    env = dict(os.environ, Q35LAB_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", QUIET_PROBE], env=env, capture_output=True, text=True, check=True)
+    assert "warned: ['a warning of the notebook itself']" in out.stdout
+    assert "a log line of the notebook itself" in out.stderr and "causal_conv1d" not in out.stderr
