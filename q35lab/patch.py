@@ -501,8 +501,9 @@ class _PerSequenceDeltaRule:
     runs the function once per sequence (a slice of the [1, T, ...] inputs; its initial state, if
     any, the sequence's row of ``initial_state``) and concatenates the outputs along T; the final
     states, when asked for, are stacked one per sequence, as flash-linear-attention returns them.
-    Without boundaries, or when flash-linear-attention is installed (its kernel honours them), the
-    function runs as it is; when that function is fla's (``fla_core``), q, k and v reach it
+    Without boundaries, or when the wrapped function is fla's (``fla_core``: its kernel honours
+    them), the function runs as it is. Whether fla is installed does not decide it: transformers may
+    have resolved its PyTorch function all the same. When the function is fla's, q, k and v reach it
     contiguous, copied by ``contiguous_rows``: the forward splits them out of the convolution's
     output as strided views, which fla would copy at a third of the copy rate."""
 
@@ -511,7 +512,7 @@ class _PerSequenceDeltaRule:
         self.fla_core = fla_core
 
     def __call__(self, query, key, value, g, beta, *args, cu_seqlens=None, initial_state=None, **kwargs):
-        if cu_seqlens is None or _installed("fla"):
+        if cu_seqlens is None or self.fla_core:
             if self.fla_core:
                 query, key, value = (contiguous_rows(t) for t in (query, key, value))
             return self.original(query, key, value, g, beta, *args, cu_seqlens=cu_seqlens, initial_state=initial_state,

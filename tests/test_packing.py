@@ -118,10 +118,16 @@ def test_without_the_conv_patch_the_report_says_packed_sequences_leak():
     assert "ignore" in report.runs["packed batches"] and "conv=True" in report.runs["packed batches"]
 
 
-def test_the_per_sequence_delta_rule_checks_its_boundaries():
+@pytest.mark.parametrize("fla_installed", [False, True])
+def test_the_per_sequence_delta_rule_checks_its_boundaries(fla_installed, monkeypatch):
+    """The PyTorch function ignores cu_seqlens whether or not fla is installed (on the GPU machine
+    it is, and the rule once passed boundaries through to the PyTorch function there)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
 
+    from q35lab import patch
     from q35lab.patch import _PerSequenceDeltaRule
+
+    monkeypatch.setattr(patch, "_installed", lambda package: fla_installed or patch.importlib.util.find_spec(package))
 
     rule = _PerSequenceDeltaRule(modeling.torch_chunk_gated_delta_rule)
     q = torch.randn(1, 7, 2, 8, device=device())
