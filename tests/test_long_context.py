@@ -523,8 +523,9 @@ def test_an_empty_saved_tensor_is_kept_whatever_the_parameters(exclude_parameter
     H100 (torch 2.11) every non-reentrant checkpoint call saved an empty CPU tensor besides the
     layer's input, and it was counted as offloaded: twice the tensors the offload is meant to move."""
     offloader = lc.CheckpointOffloader(min_bytes=0)
+    linear = torch.nn.Linear(8, 8, device=device())  # alive: a freed weight's memory would be the next tensor's
     if exclude_parameters:
-        offloader.exclude_parameters_of(torch.nn.Linear(8, 8, device=device()))
+        offloader.exclude_parameters_of(linear)
     with offloader.hooks():
         assert isinstance(offloader.pack(torch.empty(0)), lc._Kept)
         assert isinstance(offloader.pack(torch.empty(0, 64, device=device())), lc._Kept)
