@@ -22,10 +22,13 @@ import pandas as pd
 OUTCOME = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|deselected)")
 
 
-def run_file(path: Path, limit: float, logs: Path) -> dict:
+def run_file(path: Path, limit: float, logs: Path, per_test: float) -> dict:
     start = time.perf_counter()
+    # -rs: why each skipped test skipped (a module the GPU machine lacks). --timeout (pytest-timeout):
+    # one test that hangs fails alone, and the file still ends with its tracebacks; a file killed at
+    # its limit prints none (2026-12-06: 20 failures of test_long_context.py, not one traceback)
     cmd = [sys.executable, "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider", "-o", "addopts=", "--durations=3",
-           str(path)]  # -rs: why each skipped test skipped (a module the GPU machine lacks)
+           "--tb=short", f"--timeout={per_test:.0f}", str(path)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
         text, status = proc.stdout + proc.stderr, "ok" if proc.returncode == 0 else f"rc {proc.returncode}"
@@ -59,6 +62,7 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--jobs", type=int, default=8)
     parser.add_argument("--limit", type=float, default=300.0, help="seconds a file may take")
+    parser.add_argument("--per-test", type=float, default=120.0, help="seconds one test may take")
     parser.add_argument("--logs", default="/tmp/q35lab-logs/tests")
     parser.add_argument("files", nargs="*")
     args = parser.parse_args()
@@ -74,7 +78,8 @@ def main() -> int:
                else pd.DataFrame(columns=["file"]))
     rows = []
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:  # the CSV rewritten as each file ends
-        for done in concurrent.futures.as_completed([pool.submit(run_file, f, args.limit, logs) for f in files]):
+        jobs = [pool.submit(run_file, f, args.limit, logs, args.per_test) for f in files]
+        for done in concurrent.futures.as_completed(jobs):
             rows.append({**done.result(), **meta})
             new = pd.DataFrame(rows)
             kept = earlier[~earlier.file.isin(new.file)]
