@@ -1030,7 +1030,11 @@ class CheckpointOffloader:
             handle = self._to_host(t, prev)
             self.stats["offloaded"] += 1
             self.stats["offloaded_bytes"] += t.numel() * t.element_size()
-        self._last = weakref.ref(handle)
+        if t.numel():
+            # an empty tensor stays out of the chain: saved beside each layer's input (torch 2.11's
+            # checkpoint does), it would sit between two inputs, and unpacking the later input would
+            # prefetch it instead of the earlier input
+            self._last = weakref.ref(handle)
         return handle
 
     def _to_host(self, t: torch.Tensor, prev) -> _HostCopy:
