@@ -969,14 +969,24 @@ def _triton_at_least(version: tuple[int, ...]) -> bool:
     return tuple(digits) >= version
 
 
+def _core_is_fla(gdn: torch.nn.Module) -> bool:
+    """Whether the chunked delta-rule core this GatedDeltaNet calls is fla's, as transformers
+    resolved it: the layer's own attribute (transformers < 5.20) or its module's function (through
+    the hub wrapper). Not whether fla is installed: transformers may have resolved its PyTorch
+    function all the same, and that one ignores packed sequences' boundaries."""
+    attribute = vars(gdn).get("chunk_gated_delta_rule")
+    if not callable(attribute):
+        attribute = getattr(sys.modules[type(gdn).__module__], "torch_chunk_gated_delta_rule", None)
+    return _is_fla_function(_resolved_core(attribute))
+
+
 def _delta_rule_core(gdn: torch.nn.Module) -> str:
     """Which delta-rule core this GatedDeltaNet will run, and what to install when it is slow."""
-    attribute = vars(gdn).get("chunk_gated_delta_rule")  # transformers < 5.20 keeps it on the layer
-    fla = (attribute.__module__.startswith("fla") if callable(attribute)
-           else _installed("fla"))
-    if not fla:
-        return ("transformers' PyTorch fallback, far slower than fla's (`python -m q35lab bench delta_rule` "
-                "measures both): pip install flash-linear-attention (on Hopper with Triton >= 3.7.1)")
+    if not _core_is_fla(gdn):
+        fix = ("transformers did not take the installed flash-linear-attention (its import failed when the "
+               "modeling module was imported: import fla to see why)" if _installed("fla")
+               else "pip install flash-linear-attention (on Hopper with Triton >= 3.7.1)")
+        return f"transformers' PyTorch fallback, far slower than fla's (`python -m q35lab bench delta_rule` measures both): {fix}"
     hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
     if hopper and not _triton_at_least((3, 7, 1)):
         return ("flash-linear-attention's, whose backward refuses Hopper with this Triton (< 3.7.1, fla#640): "
@@ -994,7 +1004,7 @@ def _causal_conv(gdn: torch.nn.Module) -> str:
 
 def _packing(gdn: torch.nn.Module) -> str:
     """Whether sequences packed in one row (cu_seq_lens_q) stay apart in this GatedDeltaNet."""
-    fla = _installed("fla")
+    fla = _core_is_fla(gdn)
     conv_ok = _marked(gdn, _CONV) is not None or _conv_problem(gdn) == "the causal-conv1d CUDA package runs it"
     core_ok = fla or type(gdn).__module__ in _DELTA_RULE_SWITCHES and _marked(gdn, _CONV) is not None
     if conv_ok and core_ok:

@@ -267,3 +267,15 @@ def test_the_attention_a_step_is_built_with_is_recorded_and_changes_no_loss(tmp_
     both = e2e.merge_rows(path, [{"variant": "q35lab", "T": 64, "batch": "packed", "attention": "flex_attention",
                                   "step_ms": 2.0}], last_line_wins=True)
     assert sorted(both.step_ms) == [1.0, 2.0]
+
+
+def test_the_report_asks_which_core_transformers_resolved_not_whether_fla_is_installed(monkeypatch):
+    """fla installed, transformers' PyTorch core resolved all the same (fla's import failed in
+    transformers): the report says the PyTorch core runs, never that fla's does."""
+    from q35lab import patch
+
+    monkeypatch.setattr(patch, "_installed", lambda package: package == "fla" or patch.importlib.util.find_spec(package))
+    monkeypatch.setattr(patch, "_is_fla_function", lambda function: False)  # whatever transformers resolved
+    report = q35lab.apply_to_qwen3_5(_peft_model(seed=4))
+    assert "PyTorch fallback" in report.runs["delta-rule core"] and "did not take" in report.runs["delta-rule core"]
+    assert "fla's delta rule" not in report.runs["packed batches"]
