@@ -751,13 +751,26 @@ def _count_tiles(gdn):
 
 
 def _on_pytorch_core(module):
-    """``module`` (a GatedDeltaNet, or a model) on transformers' PyTorch delta rule where a layer
-    keeps the core transformers resolved (before 5.20; fla's on the GPU machine): an fp64 reference
-    cannot run fla's kernels, which Triton refuses to compile for fp64."""
-    for m in module.modules():
-        if callable(vars(m).get("chunk_gated_delta_rule")):
-            m.chunk_gated_delta_rule = sys.modules[type(m).__module__].torch_chunk_gated_delta_rule
+    """``module`` (a GatedDeltaNet, or a model) on transformers' PyTorch delta rule, for an fp64
+    reference: fla's kernels, which transformers takes on the GPU, do not compile for fp64. Each
+    GatedDeltaNet's forward runs with its modeling module's core unwrapped (the hub wrapper and
+    q35lab's switch, ``__wrapped__``, down to transformers' function) and puts the module's back after."""
+    for gdn in module.modules():
+        if type(gdn).__name__.endswith("GatedDeltaNet"):
+            gdn.forward = functools.partial(_forward_on_pytorch_core, gdn)
     return module
+
+
+def _forward_on_pytorch_core(gdn, *args, **kwargs):
+    modeling = sys.modules[type(gdn).__module__]
+    core = modeling.torch_chunk_gated_delta_rule
+    pytorch = (functools.partial(inspect.unwrap(core.func), *core.args, **core.keywords)  # a test's chunk size kept
+               if isinstance(core, functools.partial) else inspect.unwrap(core))
+    modeling.torch_chunk_gated_delta_rule = pytorch
+    try:
+        return type(gdn).forward(gdn, *args, **kwargs)
+    finally:
+        modeling.torch_chunk_gated_delta_rule = core
 
 
 def _fla_runs(module) -> bool:
