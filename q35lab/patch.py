@@ -597,14 +597,26 @@ def _patch_conv(gdn: torch.nn.Module, report: "PatchReport") -> None:
         object.__setattr__(gdn, _CONV, "attribute")
         report.replaced[label] += 1
     else:
-        name = type(gdn).__module__
-        module = sys.modules[name]
-        if name not in _CONV_SWITCHES:  # delegates to the original while no patched layer runs
-            _CONV_SWITCHES[name] = module.causal_conv1d_fn = _ConvSwitch.install(module.causal_conv1d_fn)
-        if name not in _DELTA_RULE_SWITCHES and callable(getattr(module, "torch_chunk_gated_delta_rule", None)):
-            _DELTA_RULE_SWITCHES[name] = module.torch_chunk_gated_delta_rule = _DeltaRuleSwitch.install(
-                module.torch_chunk_gated_delta_rule)
+        module = sys.modules[type(gdn).__module__]
+        _switch_in(module, "causal_conv1d_fn", _CONV_SWITCHES, _ConvSwitch)
+        if callable(getattr(module, "torch_chunk_gated_delta_rule", None)):
+            _switch_in(module, "torch_chunk_gated_delta_rule", _DELTA_RULE_SWITCHES, _DeltaRuleSwitch)
         _override_forward(gdn, _CONV, _SwitchedConvForward, None, label, report)
+
+
+def _switch_in(module, attribute: str, registry: dict, kind: type) -> None:
+    """Make ``registry[module]`` a switch the modeling module calls: the registered one while the
+    module's function is still it; a switch found there (put back by whoever replaced it); else a
+    new one around what the module calls now. The last covers a function replaced after an
+    earlier patch (another library, a monkeypatch undone): the layers would otherwise toggle a
+    switch nothing calls, and packed sequences would leak while the report said they do not."""
+    current = getattr(module, attribute)
+    if registry.get(module.__name__) is current:
+        return
+    if not isinstance(current, kind):  # delegates to ``current`` while no patched layer runs
+        current = kind.install(current)
+        setattr(module, attribute, current)
+    registry[module.__name__] = current
 
 
 def _unpatch_conv(gdn: torch.nn.Module, report: "PatchReport") -> None:

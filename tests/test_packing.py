@@ -279,3 +279,33 @@ def test_the_report_asks_which_core_transformers_resolved_not_whether_fla_is_ins
     report = q35lab.apply_to_qwen3_5(_peft_model(seed=4))
     assert "PyTorch fallback" in report.runs["delta-rule core"] and "did not take" in report.runs["delta-rule core"]
     assert "fla's delta rule" not in report.runs["packed batches"]
+
+
+def test_a_core_replaced_after_an_earlier_patch_is_switched_again(monkeypatch):
+    """Another library (or a monkeypatch undone) puts a function of its own where q35lab's switch
+    was: the next patch wraps that function in a switch, and packed rows stay apart."""
+    import sys
+
+    from q35lab import patch
+
+    q35lab.apply_to_qwen3_5(_peft_model(seed=5))  # the module's switches exist from here on
+    model = _peft_model(seed=6)
+    modeling = sys.modules[type(next(m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))).__module__]
+    original = modeling.torch_chunk_gated_delta_rule
+    calls = []
+
+    def replaced(*args, **kwargs):  # a function of another library's: not q35lab's switch
+        calls.append(kwargs.get("cu_seqlens"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", replaced)
+    q35lab.apply_to_qwen3_5(model)
+    switch = modeling.torch_chunk_gated_delta_rule
+    assert isinstance(switch, patch._DeltaRuleSwitch) and switch.original is replaced
+    assert patch._DELTA_RULE_SWITCHES[modeling.__name__] is switch
+    sequences = [torch.randint(0, TEXT["vocab_size"], (n,), device=device()) for n in (5, 3, 6)]
+    _assert_same(_packed_step(model, sequences), _one_at_a_time(model, sequences))
+    assert calls  # the replaced function is what runs, inside the switch
+    monkeypatch.undo()  # the first switch is back in the module: the next patch takes it up again
+    q35lab.apply_to_qwen3_5(_peft_model(seed=7))
+    assert patch._DELTA_RULE_SWITCHES[modeling.__name__] is modeling.torch_chunk_gated_delta_rule is original
