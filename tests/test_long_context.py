@@ -860,12 +860,7 @@ def test_a_patched_model_with_every_long_context_option_under_checkpointing_and_
     # The PyTorch core multiplies the recurrent state into each chunk in bf16 under autocast: tiles
     # that are not multiples of its chunk (64) add chunk boundaries, whose rounding differs from the
     # untiled module's by bf16's few percent. Cores chunked as the tiles are make the two comparable.
-    throwaway = _model(checkpointing=False)
-    modeling = sys.modules[type(_gdn(throwaway)).__module__]
-    # q35lab installs its switch as the module's function at the first patch in a process: install it
-    # before the monkeypatch, which then wraps the switch and puts it back when undone (undone before
-    # the switch existed, it would leave the bare function, and later tests' packed rows would leak)
-    q35lab.apply_to_qwen3_5(throwaway)
+    modeling = sys.modules[type(_gdn(_model(checkpointing=False))).__module__]
     monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule",
                         functools.partial(modeling.torch_chunk_gated_delta_rule, chunk_size=4))
     reference = _model(targets="all-linear")
