@@ -1013,7 +1013,18 @@ class CheckpointOffloader:
             # call also saved an empty CPU tensor, which was counted as offloaded: 8 tensors for 4
             # layers in notebook 06 (2026-12-06); torch 2.13 on a CPU saves none
             return False
-        return not (self._parameter_storages and t.untyped_storage().data_ptr() in self._parameter_storages)
+        return not self._holds_a_parameter(t)
+
+    def _holds_a_parameter(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lives in one of the excluded model's parameter storages. Once that model is
+        gone its pointers mean nothing: CUDA's caching allocator hands the memory to the next
+        tensors, which would be taken for parameters and never offloaded."""
+        if not self._parameter_storages:
+            return False
+        if self._model is not None and self._model() is None:
+            self._parameter_storages = set()
+            return False
+        return t.untyped_storage().data_ptr() in self._parameter_storages
 
     def _stream(self, device: torch.device):
         if device not in self._streams:

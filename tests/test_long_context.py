@@ -550,6 +550,22 @@ def test_an_empty_saved_tensor_is_kept_whatever_the_parameters(exclude_parameter
     assert offloader.stats["offloaded"] == 1 and offloader.stats["kept"] == 2
 
 
+def test_a_freed_models_parameter_memory_is_offloaded_when_reused():
+    """The excluded model is gone and its weight's memory is another tensor's now (CUDA's caching
+    allocator does this at once): that tensor is an activation, and is offloaded."""
+    import gc
+
+    linear = torch.nn.Linear(64, 64, device=device())
+    offloader = lc.CheckpointOffloader(min_bytes=0)
+    offloader.exclude_parameters_of(linear)
+    reused = linear.weight.detach()  # stands for the next tensor given the weight's memory
+    with offloader.hooks():
+        assert isinstance(offloader.pack(reused), lc._Kept)  # while the model lives: its parameter
+        del linear
+        gc.collect()
+        assert isinstance(offloader.pack(reused), lc._HostCopy)
+
+
 def test_an_empty_saved_tensor_between_two_inputs_leaves_the_prefetch_chain_whole():
     """torch 2.11's checkpoint saves an empty tensor beside each layer's input: unpacking the later
     input must still prefetch the earlier one, not the empty tensor between them."""
