@@ -983,7 +983,7 @@ def _triton_at_least(version: tuple[int, ...]) -> bool:
 
 def _core_is_fla(gdn: torch.nn.Module) -> bool:
     """Whether the chunked delta-rule core this GatedDeltaNet calls is fla's, as transformers
-    resolved it: the layer's own attribute (transformers < 5.20) or its module's function (through
+    resolved it: the layer's own attribute (older transformers) or its module's function (through
     the hub wrapper). Not whether fla is installed: transformers may have resolved its PyTorch
     function all the same, and that one ignores packed sequences' boundaries."""
     attribute = vars(gdn).get("chunk_gated_delta_rule")
