@@ -986,10 +986,7 @@ def _core_is_fla(gdn: torch.nn.Module) -> bool:
     resolved it: the layer's own attribute (older transformers) or its module's function (through
     the hub wrapper). Not whether fla is installed: transformers may have resolved its PyTorch
     function all the same, and that one ignores packed sequences' boundaries."""
-    attribute = vars(gdn).get("chunk_gated_delta_rule")
-    if not callable(attribute):
-        attribute = getattr(sys.modules[type(gdn).__module__], "torch_chunk_gated_delta_rule", None)
-    return _is_fla_function(_resolved_core(attribute))
+    return _is_fla_function(_resolved_core(long_context._core_function(gdn)))
 
 
 def _delta_rule_core(gdn: torch.nn.Module) -> str:
@@ -998,7 +995,8 @@ def _delta_rule_core(gdn: torch.nn.Module) -> str:
         fix = ("transformers did not take the installed flash-linear-attention (its import failed when the "
                "modeling module was imported: import fla to see why)" if _installed("fla")
                else "pip install flash-linear-attention (on Hopper with Triton >= 3.7.1)")
-        return f"transformers' PyTorch fallback, far slower than fla's (`python -m q35lab bench delta_rule` measures both): {fix}"
+        return (f"transformers' PyTorch fallback, far slower than fla's (`python -m q35lab bench delta_rule` "
+                f"measures both): {fix}")
     hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
     if hopper and not _triton_at_least((3, 7, 1)):
         return ("flash-linear-attention's, whose backward refuses Hopper with this Triton (< 3.7.1, fla#640): "
