@@ -172,7 +172,11 @@ def smoke() -> bool:
 #: Notices other libraries print that say nothing about a q35lab notebook: tqdm's when the widget
 #: library is missing (its bars print as text), PyTorch's when autograd's thread first calls cuBLAS
 #: (harmless: it makes the context itself).
-_UNRELATED_WARNINGS = ("IProgress not found", "Attempting to run cuBLAS, but there was no current CUDA context")
+_UNRELATED_WARNINGS = (
+    "IProgress not found",  # tqdm without Jupyter's widgets
+    "Attempting to run cuBLAS, but there was no current CUDA context",  # torch's first GEMM of a process
+    "`is_gradient_checkpointing` is deprecated",  # read by PEFT when it wraps a model; deprecated in recent transformers (5.25)
+)
 
 
 def quiet_notebook_notices() -> None:

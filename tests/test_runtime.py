@@ -149,6 +149,7 @@ QUIET_PROBE = (
     "runtime.quiet_notebook_notices()\n"
     "with warnings.catch_warnings(record=True) as caught:\n"
     "    warnings.warn('IProgress not found. Please update jupyter and ipywidgets.')\n"
+    "    warnings.warn('`is_gradient_checkpointing` is deprecated and will be removed in v6.', FutureWarning)\n"
     "    warnings.warn('a warning of the notebook itself')\n"
     "print('warned:', [str(w.message) for w in caught])\n"
     "from transformers.utils import logging as tl\n"
