@@ -59,3 +59,36 @@ def test_run_again_inside_the_clone_it_clones_nothing_and_installs_that_checkout
     with pytest.raises(SystemExit, match="Set REPO_URL"):
         exec(colab_cell.cell_source("01_offset_rmsnorm.ipynb"), {})
     assert calls == []
+
+
+@pytest.mark.parametrize("capability, free_gib, warned", [
+    ((7, 5), 14, ["no bf16 units", "run out of memory"]),  # a T4: bf16 only emulated (is_bf16_supported says True)
+    ((8, 0), 39, []),  # an A100 40 GB: room for 01's sizes
+    ((9, 0), 79, ["run out of memory"]),  # an H100 under 05's need
+])
+def test_the_install_cell_checks_the_gpu_for_bf16_units_and_memory(tmp_path, monkeypatch, capsys,
+                                                                   capability, free_gib, warned):
+    import subprocess
+    import sys
+
+    import torch
+
+    checkout = tmp_path / "q35lab-repo"
+    (checkout / "q35lab").mkdir(parents=True)
+    (checkout / "q35lab" / "__init__.py").write_text("")
+    (checkout / "pyproject.toml").write_text("")
+    (checkout / "notebooks").mkdir()
+    monkeypatch.chdir(checkout / "notebooks")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(subprocess, "run", lambda args, **kwargs: None)  # no install
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "a GPU")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *args: (free_gib * 2**30, 80 * 2**30))
+    notebook = "05_fused_linear_cross_entropy.ipynb" if capability == (9, 0) else "01_offset_rmsnorm.ipynb"
+    exec(colab_cell.cell_source(notebook), {})
+    out = capsys.readouterr().out
+    assert f"a GPU: 80 GiB, {free_gib} free; this notebook needs {colab_cell.NEEDS_GIB.get(notebook, 24)} GiB" in out
+    for message in ("no bf16 units", "run out of memory"):
+        assert (message in out) == (message in warned), message
