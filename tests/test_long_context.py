@@ -876,16 +876,21 @@ def test_a_patched_model_with_every_long_context_option_under_checkpointing_and_
     # The PyTorch core multiplies the recurrent state into each chunk in bf16 under autocast: tiles
     # that are not multiples of its chunk (64) add chunk boundaries, whose rounding differs from the
     # untiled module's by bf16's few percent. Cores chunked as the tiles are make the two comparable.
+    # fla chunks 64 tokens and rounds its state to bf16 at each chunk boundary too: the untiled step
+    # (one chunk) has none, the tiled one two. So the untiled reference always runs the PyTorch core
+    # chunked as the tiles, and where fla runs, the tiled model runs fla's, as installed.
     modeling = sys.modules[type(_gdn(_model(checkpointing=False))).__module__]
-    monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule",
-                        functools.partial(modeling.torch_chunk_gated_delta_rule, chunk_size=4))
+    fla = _fla_runs(_model(checkpointing=False))
+    installed = modeling.torch_chunk_gated_delta_rule  # fla's through the hub wrapper, or the PyTorch core
+    chunked_as_tiles = functools.partial(inspect.unwrap(installed), chunk_size=4)  # the PyTorch core
+    monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", chunked_as_tiles)
     reference = _model(targets="all-linear")
     ref64 = _step(_on_pytorch_core(copy.deepcopy(reference).double()), ids)
     q35lab.apply_to_qwen3_5(reference)
-    # fla chunks 64 tokens and rounds its state to bf16 at each chunk boundary: the untiled step (one
-    # chunk) has none, the tiled one two. The bf16 reference is then the PyTorch core chunked as the tiles.
-    fla = _fla_runs(reference)
-    expected = _step(_on_pytorch_core(reference) if fla else reference, ids, autocast=True)
+    assert not _fla_runs(reference)
+    expected = _step(reference, ids, autocast=True)
+    if fla:
+        monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", installed)
     model = _model(targets="all-linear")
     report = q35lab.apply_to_qwen3_5(model, tiled_gdn=4, tiled_mlp=4, offload_checkpoints=1.0)
     assert report.replaced["Qwen3_5GatedDeltaNet (tiled, 4 tokens a tile)"] == 1
