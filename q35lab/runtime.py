@@ -169,13 +169,12 @@ def smoke() -> bool:
     return INTERPRET or DEVICE.type != "cuda"
 
 
-#: Notices other libraries print that say nothing about a q35lab notebook: tqdm's when the widget
-#: library is missing (its bars print as text), PyTorch's when autograd's thread first calls cuBLAS
-#: (harmless: it makes the context itself).
+#: Notices other libraries print that say nothing about a q35lab notebook (each harmless; what
+#: prints it beside it).
 _UNRELATED_WARNINGS = (
     "IProgress not found",  # tqdm without Jupyter's widgets
-    "Attempting to run cuBLAS, but there was no current CUDA context",  # torch's first GEMM of a process
-    "`is_gradient_checkpointing` is deprecated",  # read by PEFT when it wraps a model; deprecated in recent transformers (5.25)
+    "Attempting to run cuBLAS, but there was no current CUDA context",  # autograd's thread: makes its own
+    "`is_gradient_checkpointing` is deprecated",  # PEFT reads it when it wraps; transformers 5.25 deprecates it
 )
 
 

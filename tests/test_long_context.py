@@ -384,9 +384,10 @@ def _record_packs(offloader):
 def _drop_empty(packs):
     """Remove the packs of empty tensors (torch 2.11's checkpoint saves one a call; 2.13's none),
     returning how many there were."""
-    empty = [p for p in packs if isinstance(p[2], lc._Kept) and p[2].tensor.numel() == 0]
-    packs[:] = [p for p in packs if p not in empty]
-    return len(empty)
+    nonempty = [p for p in packs if not (isinstance(p[2], lc._Kept) and p[2].tensor.numel() == 0)]
+    dropped = len(packs) - len(nonempty)
+    packs[:] = nonempty
+    return dropped
 
 
 def test_offloaded_checkpoint_inputs_live_in_distinct_host_copies_and_give_the_same_gradients():
@@ -879,8 +880,8 @@ def test_a_patched_model_with_every_long_context_option_under_checkpointing_and_
     # fla chunks 64 tokens and rounds its state to bf16 at each chunk boundary too: the untiled step
     # (one chunk) has none, the tiled one two. So the untiled reference always runs the PyTorch core
     # chunked as the tiles, and where fla runs, the tiled model runs fla's, as installed.
-    modeling = sys.modules[type(_gdn(_model(checkpointing=False))).__module__]
-    fla = _fla_runs(_model(checkpointing=False))
+    probe = _model(checkpointing=False)
+    modeling, fla = sys.modules[type(_gdn(probe)).__module__], _fla_runs(probe)
     installed = modeling.torch_chunk_gated_delta_rule  # fla's through the hub wrapper, or the PyTorch core
     chunked_as_tiles = functools.partial(inspect.unwrap(installed), chunk_size=4)  # the PyTorch core
     monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", chunked_as_tiles)
@@ -1005,9 +1006,10 @@ def test_padding_masks_are_tiled_packed_sequences_and_caches_run_untiled_with_a_
     assert tiles == [3, 3, 2, 2, 3, 3]
     expected = _gdn_outputs(gdn, x, w, None, forward=inner, attention_mask=mask)
     exact = _gdn_outputs(gdn64, x, w, None, torch.float64, attention_mask=mask)
+    fla = _fla_runs(model)
     for i, (a, b, b64) in enumerate(zip(got, expected, exact)):
         assert_close_by_rule(str(i), a, b, b64)
-        if not _fla_runs(model):  # the PyTorch core: tiles change only the rounding order
+        if not fla:  # the PyTorch core: tiles change only the rounding order
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert got[0][1, :3].abs().max() == 0 < got[0][0, :3].abs().max()  # padding rows zeroed before the in_proj
     # packed sequences in one row: their boundaries do not line up with tiles — the module's own forward
