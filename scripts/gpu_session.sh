@@ -33,6 +33,7 @@
 #                                          # (world size 1 on one H200: the sharded code path, measured)
 #   bash scripts/gpu_session.sh long_cost  # q35lab and each long-context option at 32k (their cost), alone and together
 #   LONG_T="T..." bash scripts/gpu_session.sh long  # q35lab+long (or LONG_VARIANT) at each T until one fits
+#   LONG_FIT="q35lab:262144 peft+liger:262144" bash scripts/gpu_session.sh long_fit  # each one's longest step, searched
 #   bash scripts/gpu_session.sh unsloth    # Unsloth's LoRA path, q35lab and PEFT + Liger at 9B/32k (unsloth.csv; .whl-unsloth)
 #   bash scripts/gpu_session.sh notebooks  # every notebook executed (outputs kept)
 #
@@ -45,7 +46,7 @@
 # The device's copy of the tree is current but its git metadata can be stale: on 2026-12-01 its
 # git said 5830af9+dirty for a tree that was 358bb36.
 set -uo pipefail
-[[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|ops_new|step|peers|peers_at|ablation|sizes9b|floors|big35|big27|packed|padded|current_tf|flex|long_cost|long|fsdp|unsloth|notebooks ..."; exit 2; }
+[[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|ops_new|step|peers|peers_at|ablation|sizes9b|floors|big35|big27|packed|padded|current_tf|flex|long_cost|long_fit|long|fsdp|unsloth|notebooks ..."; exit 2; }
 [[ -n ${Q35LAB_COMMIT:-} ]] || echo "warning: Q35LAB_COMMIT is not set: the rows take the device's git metadata, which can be stale"
 bench=data/bench/$(python3 -c "from q35lab.bench import core; print(core.gpu_slug())")  # as gpu_run.sh names it
 csv=$bench/end_to_end.csv
@@ -149,6 +150,16 @@ case $stage in
     costs=${LONG_COST:-q35lab+tiled q35lab+tiled_gdn q35lab+offload q35lab+long q35lab+long_context}
     for v in q35lab $(printf '%s\n' $costs | grep -vx q35lab); do  # q35lab first, once, whatever LONG_COST lists
       beside_own_call long_context.csv 180 $v 32768 --size 9b --steps 3
+    done
+    ;;
+  long_fit)  # the longest 9B step of each variant, searched (e2e's --fit): 32k and 64k, then the line through their
+    # peaks guesses the limit and the search steps 3% up from a fit, 3% down from an out of memory (long_fit.csv).
+    # LONG_FIT="VARIANT:MAX[:SECONDS] ...": MAX is what an offloading variant plans its host memory for (the longest
+    # tried); SECONDS the run's limit (default 240). A step near 450k tokens is ~4 min on an H100: one such variant a call
+    [[ -n ${LONG_FIT:-} ]] || { echo "long_fit: set LONG_FIT (VARIANT:MAX[:SECONDS] ...)"; exit 2; }
+    for spec in $LONG_FIT; do
+      IFS=: read -r v max limit <<< "$spec"
+      E2E_OUT=long_fit.csv e2e "${limit:-240}" "$v" "32768 65536" --size 9b --steps 1 --warmup 0 --fit --fit-max "$max"
     done
     ;;
   long)  # a step at 512k is predicted at ~4 min (attention alone ~190 s): one T fits a call

@@ -3,6 +3,7 @@
 import collections
 import json
 import math
+import random
 
 import subprocess
 import types
@@ -158,19 +159,59 @@ def test_one_gated_delta_net_layer_is_timed_with_its_in_proj_share(patched):
     assert 0 < result["in_proj_share"] < 1
 
 
-def test_fit_asks_for_longer_sequences_up_to_the_limit():
+def _search(peak, limit, budget=None, **options):
+    """The --fit search against a simulated device: a step of T tokens peaks at ``peak(T)`` bytes
+    and runs out of memory above ``limit``. Returns the T tried, in order, and the longest fit."""
     import argparse
 
-    def sizes(**options):
-        defaults = dict(T=[8192, 32768], fit=True, fit_max=100_000, fit_from=0, fit_step=1.25)
-        return list(e2e._sizes(argparse.Namespace(**{**defaults, **options})))
+    args = argparse.Namespace(**{**dict(T=[8192, 32768], fit=True, fit_max=10**7, fit_from=0, fit_step=1.03),
+                                 **options})
+    seen, tried = {}, []
+    for T in e2e._sizes(args, seen, budget):
+        assert T not in seen and T % 4096 == 0 and T <= args.fit_max
+        tried.append(T)
+        seen[T] = ("ok", float(peak(T))) if peak(T) <= limit else ("oom", math.nan)
+        assert len(tried) < 40
+    return tried, max(T for T, (status, _) in seen.items() if status == "ok")
 
-    grown = sizes()
-    assert grown[:2] == [8192, 32768] and grown[-1] == 100_000
-    assert all(b > a for a, b in zip(grown[1:], grown[2:])) and all(t % 4096 == 0 for t in grown[2:-1])
-    assert sizes(T=[4096], fit=False) == [4096]
-    assert sizes(fit_from=70_000, fit_step=1.1) == [8192, 32768, 69632, 73728, 77824, 81920, 90112, 98304, 100_000]
-    assert sizes(fit_from=16384)[2] > 32768  # a start below the sizes asked for is ignored
+
+@pytest.mark.parametrize("fixed_gib, kib_per_token, limit_gib", [(17.2, 437, 78.5), (17.2, 605, 139), (21.7, 154.5, 139),
+                                                                 (3.0, 91.0, 10.0)])
+def test_fit_search_brackets_the_longest_step_to_one_step(fixed_gib, kib_per_token, limit_gib):
+    """The search ends with the longest fit known to one step: a fit, and the step above it out of memory."""
+    rng = random.Random(fixed_gib)
+    wiggle = {}  # the allocator's rounding: a peak a little off the line, the same for a T each time
+
+    def peak(T):
+        wiggle.setdefault(T, rng.uniform(0, 0.3) * 2**30)
+        return fixed_gib * 2**30 + T * kib_per_token * 1024 + wiggle[T]
+
+    limit = limit_gib * 2**30
+    truth = max(T for T in range(4096, 10**7, 4096) if peak(T) <= limit)
+    for budget in (limit, 0.9 * limit, 1.1 * limit, None):  # an exact, a low, a high and no line
+        tried, found = _search(peak, limit, budget)
+        step = max(4096, int(found * 0.03) // 4096 * 4096)
+        assert found <= truth < found + step + 4096, (budget, tried)
+        above = [T for T in tried if T > found]
+        assert above and min(above) <= found + step  # the step above was tried, and did not fit
+        if budget == limit:  # a true line: two steps near the limit after the two asked for
+            assert len(tried) <= 5, tried
+
+
+def test_fit_search_starts_at_fit_from_stops_at_fit_max_and_at_an_error():
+    import argparse
+
+    line = lambda T: 2**30 + T * 2**19  # noqa: E731
+    tried, _ = _search(line, 64 * 2**30, fit_from=100_000)
+    assert tried[2] == 98304  # the guess given, to a multiple of 4096
+    tried, found = _search(line, 10**15, budget=10**15, fit_max=200_000)
+    assert found == tried[-1] == 196_608  # nothing beyond --fit-max (to a multiple of 4096)
+    seen = {8192: ("ok", 1.0), 32768: ("error", math.nan)}
+    sizes = e2e._sizes(argparse.Namespace(T=[8192, 32768], fit=True, fit_max=10**6, fit_from=0, fit_step=1.03), seen)
+    assert list(sizes) == [8192, 32768]  # an error is not a limit: the search ends
+    args = argparse.Namespace(T=[4096], fit=False, fit_max=10**6, fit_from=0, fit_step=1.03)
+    assert list(e2e._sizes(args)) == [4096] and e2e._longest_asked(args) == 4096
+    assert e2e._longest_asked(argparse.Namespace(T=[4096], fit=True, fit_max=300_000)) == 300_000
 
 
 def test_an_out_of_memory_row_says_where_and_keeps_the_allocators_account():
@@ -267,11 +308,22 @@ def test_long_context_variants_tile_the_mlps_and_offload_what_the_host_holds(mon
     assert not any("offloaded" in name for name in report.replaced), report
     config = e2e.config("9b")
     monkeypatch.setattr("q35lab.long_context.host_memory_available", lambda: 125 * 2**30)
-    big = types.SimpleNamespace(config=config)
+    big = types.SimpleNamespace(config=config, parameters=lambda: iter([torch.zeros(1)]))  # a model on the CPU
     planned = q35lab.long_context.plan_offload_layers(config, 512 * 1024, host_bytes=125 * 2**30,
                                                       tiled_mlp_tokens=8192, tiled_gdn_tokens=8192)
     assert planned[1] and variants.planned_offload_layers(big, 512 * 1024, tiled_mlp_tokens=8192,
                                                           tiled_gdn_tokens=8192) == planned[0] > 0
+    # planned for the model's own GPU: on a smaller one, more layers for a shorter step
+    smaller = 79 * 2**30
+    monkeypatch.setattr("q35lab.long_context.usable_gpu_bytes", lambda device=None: smaller)
+    on_smaller = q35lab.long_context.plan_offload_layers(config, 320 * 1024, gpu_bytes=smaller, host_bytes=125 * 2**30,
+                                                         tiled_mlp_tokens=8192, tiled_gdn_tokens=8192)
+    on_h200 = q35lab.long_context.plan_offload_layers(config, 320 * 1024, host_bytes=125 * 2**30,
+                                                      tiled_mlp_tokens=8192, tiled_gdn_tokens=8192)
+    assert on_smaller[1] and on_smaller[0] > on_h200[0]
+    assert variants.planned_offload_layers(big, 320 * 1024, tiled_mlp_tokens=8192, tiled_gdn_tokens=8192) == on_smaller[0]
+    monkeypatch.undo()
+    monkeypatch.setattr("q35lab.long_context.host_memory_available", lambda: 125 * 2**30)
     assert variants.planned_offload_layers(big, 32768, tiled_mlp_tokens=8192, tiled_gdn_tokens=8192) == 0
     # where no fit is predicted, every layer the host holds: the attempt still runs
     assert variants.planned_offload_layers(big, 4 * 2**20, tiled_mlp_tokens=8192) == variants.offloadable_layers(

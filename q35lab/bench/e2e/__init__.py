@@ -12,7 +12,7 @@
 """
 
 from .kernels import CATEGORIES, breakdown, categorize, profile_step
-from .cli import _one_variant, _parser, _sizes, main, merge_rows
+from .cli import _longest_asked, _one_variant, _parser, _sizes, main, merge_rows
 from .floor import floor_inputs, step_floor
 from .memory import SOURCES, allocation_source, memory_at_peak, out_of_memory_note, peak_breakdown
 from .model import SIZES, build, config

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import gc
 import json
 import math
 import signal
@@ -46,20 +47,67 @@ from .step import measure, measure_layer
 from .variants import VARIANTS, prepare, report_text
 
 
-def _sizes(args):
-    """The requested T, then with --fit longer ones until one fails: from --fit-from (default: the
-    largest T), each --fit-step times the last (multiples of 4096), up to --fit-max. Steps near
-    the limit cost the most, so starting near a predicted limit saves most of the search."""
+def _sizes(args, seen: dict | None = None, budget: float | None = None):
+    """The requested T, then with --fit the search for the longest T that fits.
+
+    ``seen`` maps each T measured so far to ``(status, peak bytes)``, filled by the caller before
+    it asks for the next T (the search reads it between yields); ``budget``, the bytes a step may
+    reach on the device. After --T the search brackets the limit, each T a multiple of 4096:
+
+    * no step has run out of memory yet: the line through the two longest fits' peaks
+      (``peak(T) = a + b·T``, which gradient checkpointing makes exact up to the allocator's
+      rounding) says where the peak meets ``budget``: the next guess is that T (or --fit-from,
+      where given), at least a step above the longest fit (without a line: twice it);
+    * a step ran out of memory at ``hi``: one step below it at a time (halfway to the longest fit
+      where that is more than 8 steps away), until the step above the longest fit is ``hi``.
+
+    A step is ``--fit-step − 1`` of the longest fit (at least 4096 tokens): the limit is known to
+    that fraction, and near a limit a step is a few minutes (at 500k tokens), so a good first
+    guess is most of the search's cost. Nothing beyond --fit-max is tried; an error ends it."""
     yield from args.T
     if not args.fit:
         return
-    T = max(args.T)
-    if args.fit_from and args.fit_from > T:
-        T = min(args.fit_max, args.fit_from // 4096 * 4096)
+    seen = {} if seen is None else seen
+    while True:
+        if any(status not in ("ok", "oom") for status, _ in seen.values()):
+            return  # an error is not a limit
+        fits = {T: peak for T, (status, peak) in seen.items() if status == "ok"}
+        lo = max(fits, default=0)
+        hi = min((T for T, (status, _) in seen.items() if status == "oom"), default=None)
+        step = max(4096, int(lo * (args.fit_step - 1)) // 4096 * 4096)
+        if hi is not None:
+            if hi - lo <= step:
+                return  # bracketed: lo fits, a step above it does not
+            # near the limit, down a step at a time; far from it (no line), halfway
+            T = hi - step if hi - lo <= 8 * step else (lo + hi) // 2 // 4096 * 4096
+        elif lo >= args.fit_max // 4096 * 4096:
+            return
+        elif args.fit_from > lo and args.fit_from not in seen:
+            T = args.fit_from // 4096 * 4096
+        else:
+            T = _line_guess(fits, budget)
+            T = 2 * lo if T is None else max(lo + step, T)  # no line: twice the longest fit
+        T = min(T, args.fit_max // 4096 * 4096)
+        if T in seen or T <= lo:
+            return
         yield T
-    while T < args.fit_max:
-        T = min(args.fit_max, max(T + 4096, int(T * args.fit_step) // 4096 * 4096))
-        yield T
+
+
+def _line_guess(fits: dict, budget: float | None) -> int | None:
+    """Where the line through the two longest fits' peaks meets ``budget`` (a multiple of 4096),
+    or None without a budget, two fits or a rising line."""
+    line = sorted(fits)[-2:]
+    if not budget or len(line) < 2 or math.isnan(fits[line[0]] + fits[line[1]]):
+        return None
+    slope = (fits[line[1]] - fits[line[0]]) / (line[1] - line[0])
+    if slope <= 0:
+        return None
+    return int(line[1] + (budget - fits[line[1]]) / slope) // 4096 * 4096
+
+
+def _longest_asked(args) -> int:
+    """The longest T this run may train: what a variant plans its memory for (offload, tiles)."""
+    return max(args.fit_max, *args.T) if args.fit else max(args.T)
 
 
 def _measured(model, T: int, args) -> dict:
@@ -82,6 +130,17 @@ def _measured(model, T: int, args) -> dict:
         return dict(status="oom", note=out_of_memory_note(exc))
     except Exception as exc:  # a variant failing is a result
         return dict(status="error", note=f"{type(exc).__name__}: {exc}"[:300])
+
+
+def _step_budget(device: torch.device) -> float | None:
+    """The bytes a step's peak may reach, as the --fit search aims: what the allocator can still
+    get (``long_context.usable_gpu_bytes``), less 2% for its block rounding and fragmentation;
+    None off a GPU."""
+    if device.type != "cuda":
+        return None
+    from ...long_context import usable_gpu_bytes
+
+    return 0.98 * usable_gpu_bytes(device)
 
 
 def _breakdown_lines(out) -> Path:
@@ -122,7 +181,7 @@ def _built(args, device):
         raise ImportError("unsloth: its training path needs a CUDA GPU", name="unsloth (needs a CUDA GPU)")
     from . import unsloth
 
-    return unsloth.build(args.size, args.layers, args.rank, max(_sizes(args)))
+    return unsloth.build(args.size, args.layers, args.rank, _longest_asked(args))
 
 
 def _one_variant(args) -> None:
@@ -132,13 +191,15 @@ def _one_variant(args) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:  # (before transformers is imported here: Unsloth patches it as it is imported)
         model = _built(args, device)
-        report, missing = prepare(model, args.variant, tokens=max(_sizes(args)), batch=args.batch), ""
+        report, missing = prepare(model, args.variant, tokens=_longest_asked(args), batch=args.batch), ""
     except ImportError as exc:  # a peer that is not installed is a row that says so
         model, report, missing = None, None, f"not installed: {exc.name or exc}"
     import transformers
 
     info = {**run_info(), "transformers": transformers.__version__}  # a step's rows name the transformers that ran
-    for T in _sizes(args):
+    seen = {}  # T -> (status, peak bytes): what the --fit search reads
+    budget = _step_budget(device) if args.fit else None
+    for T in _sizes(args, seen, budget):
         key = {"variant": args.variant + ("+compile" if args.compile else ""), "T": T,
                **_row_key(args, None if model is None else model.config.get_text_config().num_hidden_layers),
                "rank": args.rank}
@@ -151,7 +212,9 @@ def _one_variant(args) -> None:
             _write_line(args.out, row)  # the step's row first: a breakdown cut short must not take it along
             looked = _breakdown(model, T, args, {**key, **info}, row["step_ms"])
             row.update(looked, note="; ".join(filter(None, (row["note"], looked.get("note")))))
+        seen[T] = (row["status"], row.get("peak_gib", math.nan) * 2**30)
         if device.type == "cuda":
+            gc.collect()  # an out-of-memory step's tensors, before the next T (the search goes on after one)
             torch.cuda.empty_cache()
         _write_line(args.out, row)  # (merge_rows keeps the last line of a key)
         if args.what == "layer":
@@ -161,8 +224,8 @@ def _one_variant(args) -> None:
             print(f"{args.variant:22s} T={T:6d} {row['status']:5s} step {row.get('step_ms', math.nan):9.1f} ms, "
                   f"outside core {row.get('outside_core_ms', math.nan):9.1f} ms, peak {row.get('peak_gib', math.nan):6.1f} GiB"
                   + (f", floor {row['floor_ms']:9.1f} ms" if "floor_ms" in row else ""), flush=True)
-        if row["status"] == "oom":
-            break  # longer sequences will not fit either (and --fit has found its limit)
+        if row["status"] == "oom" and not args.fit:
+            break  # longer sequences will not fit either
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -183,11 +246,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=3, help="measured training steps per size (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps before them (default: %(default)s)")
     parser.add_argument("--fit", action="store_true",
-                        help="after --T, longer sequences until one runs out of memory: the longest that fits")
+                        help="after --T, search the longest T that fits: from the line through the measured peaks (or "
+                        "--fit-from), up a step while it fits, down a step from one that runs out of memory")
     parser.add_argument("--fit-max", type=int, default=512 * 1024,
-                        help="with --fit: the longest size tried (default: %(default)s)")
-    parser.add_argument("--fit-from", type=int, default=0, help="with --fit: the first longer size tried")
-    parser.add_argument("--fit-step", type=float, default=1.25, help="with --fit: the factor between sizes tried")
+                        help="with --fit: the longest size tried, and what variants plan their memory for "
+                        "(default: %(default)s)")
+    parser.add_argument("--fit-from", type=int, default=0,
+                        help="with --fit: the first guess (default: where the line through the last two fits' peaks "
+                        "meets the GPU's memory)")
+    parser.add_argument("--fit-step", type=float, default=1.03,
+                        help="with --fit: the search's step, a factor of the longest fit (at least 4096 tokens; "
+                        "default: %(default)s)")
     parser.add_argument("--batch", choices=["packed", "padded"], default=None,
                         help="T tokens of an SFT length mix (LMSYS-Chat-1M's mean, log-normal) packed into one row or "
                         "padded per micro-batch, instead of one sequence of T tokens; rows get a batch column")

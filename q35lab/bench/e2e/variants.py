@@ -98,14 +98,17 @@ def _flags(variant: str) -> dict:
 
 def planned_offload_layers(model, tokens: int | None, **tiles) -> int:
     """The fewest decoder layers to offload that the memory model says a step of ``tokens`` needs
-    on an H200 (``long_context.plan_offload_layers`` with the tiles' settings, this host's memory):
-    none at lengths that fit without. Where it predicts no fit, every layer the host holds
+    on the model's GPU (``long_context.plan_offload_layers`` with the tiles' settings, the memory
+    ``usable_gpu_bytes`` counts — an H200's for a model on the CPU — and this host's memory): none
+    at lengths that fit without. Where it predicts no fit, every layer the host holds
     (``offloadable_layers``), so that the attempt still runs and says how far it got."""
-    from ...long_context import plan_offload_layers
+    from ...long_context import plan_offload_layers, usable_gpu_bytes
 
     if tokens is None:
         return offloadable_layers(model, tokens)
-    layers, fits = plan_offload_layers(model.config.get_text_config(), tokens, **tiles)
+    device = next(model.parameters()).device
+    layers, fits = plan_offload_layers(model.config.get_text_config(), tokens, gpu_bytes=usable_gpu_bytes(device),
+                                       **tiles)
     return layers if fits else offloadable_layers(model, tokens)
 
 
