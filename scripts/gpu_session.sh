@@ -154,12 +154,15 @@ case $stage in
     ;;
   long_fit)  # the longest 9B step of each variant, searched (e2e's --fit): 32k and 64k, then the line through their
     # peaks guesses the limit and the search steps 3% up from a fit, 3% down from an out of memory (long_fit.csv).
-    # LONG_FIT="VARIANT:MAX[:SECONDS] ...": MAX is what an offloading variant plans its host memory for (the longest
-    # tried); SECONDS the run's limit (default 240). A step near 450k tokens is ~4 min on an H100: one such variant a call
-    [[ -n ${LONG_FIT:-} ]] || { echo "long_fit: set LONG_FIT (VARIANT:MAX[:SECONDS] ...)"; exit 2; }
+    # LONG_FIT="VARIANT:MAX[:SECONDS[:FROM]] ...": MAX is what an offloading variant plans its host memory for (the
+    # longest tried); SECONDS the run's limit (default 240); FROM the first guess after 32k and 64k (default: the line's).
+    # A step near 450k tokens is ~4 min on an H100, and each new length adds fla's autotuning (~25 s at 143k): carry
+    # the last call's triton-autotune/ as .triton-autotune
+    [[ -n ${LONG_FIT:-} ]] || { echo "long_fit: set LONG_FIT (VARIANT:MAX[:SECONDS[:FROM]] ...)"; exit 2; }
     for spec in $LONG_FIT; do
-      IFS=: read -r v max limit <<< "$spec"
-      E2E_OUT=long_fit.csv e2e "${limit:-240}" "$v" "32768 65536" --size 9b --steps 1 --warmup 0 --fit --fit-max "$max"
+      IFS=: read -r v max limit from <<< "$spec"
+      E2E_OUT=long_fit.csv e2e "${limit:-240}" "$v" "32768 65536" --size 9b --steps 1 --warmup 0 --fit --fit-max "$max" \
+          --fit-from "${from:-0}"
     done
     ;;
   long)  # a step at 512k is predicted at ~4 min (attention alone ~190 s): one T fits a call

@@ -233,6 +233,24 @@ def test_an_out_of_memory_row_says_where_and_keeps_the_allocators_account():
     assert "expandable_segments" not in note
 
 
+def test_a_row_runs_out_of_memory_whether_the_allocator_or_a_triton_launch_says_so(monkeypatch):
+    from q35lab.bench.e2e import cli
+
+    args = e2e._parser().parse_args(["--out", "x.csv", "--T", "4096", "--fit"])
+    for raised, status, said in [
+        (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB."), "oom", "Tried to allocate"),
+        (RuntimeError("Triton Error [CUDA]: out of memory"), "oom", "Triton Error [CUDA]: out of memory"),
+        (RuntimeError("shape '[4096, 32]' is invalid for input of size 7"), "error", "RuntimeError: shape"),
+        (ValueError("out of memory in a message that is not CUDA's"), "error", "ValueError"),
+    ]:
+        def measure(*_, **__):
+            raise raised
+
+        monkeypatch.setattr(cli, "measure", measure)
+        row = cli._measured(None, 4096, args)
+        assert row["status"] == status and said in row["note"], (raised, row)
+
+
 def test_peak_breakdown_replays_the_trace_to_its_highest_point():
     def frame(path, name):
         return {"filename": path, "name": name, "line": 1}

@@ -41,7 +41,7 @@ import torch
 from ..core import read_csv, run_info
 from .kernels import breakdown, profile_step
 from .floor import floor_inputs, step_floor
-from .memory import memory_at_peak, out_of_memory_note
+from .memory import is_out_of_memory, memory_at_peak, out_of_memory_note
 from .model import SIZES, build, config
 from .step import measure, measure_layer
 from .variants import VARIANTS, prepare, report_text
@@ -126,9 +126,9 @@ def _measured(model, T: int, args) -> dict:
                                    for f in reversed(traceback.extract_tb(exc.__traceback__)[-3:]))
                 row["note"] = f"memory-at-peak failed in {where}: {type(exc).__name__}: {exc}"[:400]
         return row
-    except torch.cuda.OutOfMemoryError as exc:
-        return dict(status="oom", note=out_of_memory_note(exc))
-    except Exception as exc:  # a variant failing is a result
+    except Exception as exc:  # a variant failing is a result, and running out of memory the one --fit looks for
+        if is_out_of_memory(exc):
+            return dict(status="oom", note=out_of_memory_note(exc))
         return dict(status="error", note=f"{type(exc).__name__}: {exc}"[:300])
 
 

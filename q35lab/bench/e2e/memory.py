@@ -113,6 +113,17 @@ def with_full_recompute_on_system_error(step):
         return step(), False
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says the GPU ran out of memory: PyTorch's allocator raises
+    ``torch.cuda.OutOfMemoryError``; a Triton kernel whose launch finds no memory left (fla's, near
+    the limit: 2026-12-06 on an H100) raises a plain ``RuntimeError("Triton Error [CUDA]: out of
+    memory")``, which is the same limit, not a failure of the variant."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return True
+    message = str(exc)
+    return isinstance(exc, RuntimeError) and "CUDA" in message and "out of memory" in message
+
+
 def out_of_memory_note(exc: BaseException) -> str:
     """Where the allocation that failed was made (the innermost three frames) and the allocator's
     own account: the size asked for, what was in use, and what was reserved but unallocated (a
