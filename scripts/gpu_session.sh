@@ -153,7 +153,7 @@ case $stage in
     done
     ;;
   long_fit)  # the longest 9B step of each variant, searched (e2e's --fit): 32k and 64k, then the line through their
-    # peaks guesses the limit and the search steps 3% up from a fit, 3% down from an out of memory (long_fit.csv).
+    # peaks guesses the limit, the search steps 3% up from a fit and down from an out of memory in doubling strides (long_fit.csv).
     # LONG_FIT="VARIANT:MAX[:SECONDS[:FROM]] ...": MAX is what an offloading variant plans its host memory for (the
     # longest tried); SECONDS the run's limit (default 240); FROM the first guess after 32k and 64k (default: the line's).
     # A step near 450k tokens is ~4 min on an H100, and each new length adds fla's autotuning (~25 s at 143k): carry

@@ -198,6 +198,20 @@ def test_fit_search_brackets_the_longest_step_to_one_step(fixed_gib, kib_per_tok
             assert len(tried) <= 5, tried
 
 
+@pytest.mark.parametrize("optimism", [1.02, 1.05, 1.15, 1.5])
+def test_fit_search_comes_down_from_a_guess_that_ran_out_in_few_steps(optimism):
+    """A line that over-reaches (the H100's offload search of 2026-12-06: its guess at 311,296 ran out, the
+    limit near 295k): down in doubling strides, not halfway back to 64k and up again."""
+    peak = lambda T: 17.1 * 2**30 + T * 205 * 1024  # noqa: E731  (the offload's measured line)
+    limit = 78.1 * 2**30
+    tried, found = _search(peak, limit, budget=optimism * limit, T=[32768, 65536])
+    guess = tried[2]
+    truth = max(T for T in range(4096, 10**7, 4096) if peak(T) <= limit)
+    assert peak(guess) > limit and found <= truth < found + max(4096, int(found * 0.03) // 4096 * 4096)
+    assert len(tried) - 3 <= {1.02: 3, 1.05: 4, 1.15: 5, 1.5: 9}[optimism], tried  # a line half off: a bisection
+    assert min(tried[3:]) > 65536 * 2  # never back near the lines' two points
+
+
 def test_fit_search_starts_at_fit_from_stops_at_fit_max_and_at_an_error():
     import argparse
 

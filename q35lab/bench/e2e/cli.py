@@ -58,8 +58,11 @@ def _sizes(args, seen: dict | None = None, budget: float | None = None):
       (``peak(T) = a + b·T``, which gradient checkpointing makes exact up to the allocator's
       rounding) says where the peak meets ``budget``: the next guess is that T (or --fit-from,
       where given), at least a step above the longest fit (without a line: twice it);
-    * a step ran out of memory at ``hi``: one step below it at a time (halfway to the longest fit
-      where that is more than 8 steps away), until the step above the longest fit is ``hi``.
+    * a step ran out of memory at ``hi`` and the longest fit is far below it (more than 8 steps):
+      down from ``hi`` in strides that double with each out-of-memory (one step of ``hi``, two,
+      four...; halfway to the longest fit where a stride would reach it): a guess from the line
+      usually misses by a step or two, and a line that is far off is crossed in a few strides;
+    * a fit lies within 8 steps below ``hi``: halve the gap until one step is left.
 
     A step is ``--fit-step − 1`` of the longest fit (at least 4096 tokens): the limit is known to
     that fraction, and near a limit a step is a few minutes (at 500k tokens), so a good first
@@ -78,8 +81,12 @@ def _sizes(args, seen: dict | None = None, budget: float | None = None):
         if hi is not None:
             if hi - lo <= step:
                 return  # bracketed: lo fits, a step above it does not
-            # near the limit, down a step at a time; far from it (no line), halfway
-            T = hi - step if hi - lo <= 8 * step else (lo + hi) // 2 // 4096 * 4096
+            if hi - lo <= 8 * step:  # near: halve the bracket
+                T = lo + (hi - lo) // 2 // 4096 * 4096
+            else:  # far: down from the out-of-memory in doubling strides, halfway where a stride reaches lo
+                misses = sum(status == "oom" and T > lo for T, (status, _) in seen.items())
+                stride = max(4096, int(hi * (args.fit_step - 1)) // 4096 * 4096) * 2 ** (misses - 1)
+                T = hi - stride if hi - stride > lo else (lo + hi) // 2 // 4096 * 4096
         elif lo >= args.fit_max // 4096 * 4096:
             return
         elif args.fit_from > lo and args.fit_from not in seen:
