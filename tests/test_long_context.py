@@ -1251,3 +1251,21 @@ def test_a_plan_without_host_memory_does_not_offload_and_one_that_cannot_fit_war
     monkeypatch.setattr(lc, "usable_gpu_bytes", lambda device=None: 1.0)  # nothing fits
     with pytest.warns(UserWarning, match=r"long_context=4096: .*does not fit even so"):
         q35lab.apply_to_qwen3_5(_model(), long_context=4096)
+
+
+def test_the_options_are_off_unless_asked_for_and_the_patched_step_is_the_same_either_way():
+    """Off costs nothing because nothing is installed: the default patch adds no tile, no offload, and
+    no report entry, and its step is the one a patch with the options left at their defaults makes."""
+    plain, spelled_out = _model(), _model()
+    spelled_out.load_state_dict(plain.state_dict())
+    report = q35lab.apply_to_qwen3_5(plain)
+    q35lab.apply_to_qwen3_5(spelled_out, tiled_mlp=None, tiled_gdn=None, offload_checkpoints=None, long_context=None)
+    assert not lc.has_long_context_options(plain) and not lc.has_long_context_options(spelled_out)
+    assert "long context" not in report.runs and "tiled" not in str(report)
+    ids = torch.randint(0, plain.config.vocab_size, (1, 11))
+    for model in (plain, spelled_out):
+        model(input_ids=ids, labels=ids).loss.backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), spelled_out.named_parameters()):
+        assert (a.grad is None) == (b.grad is None), name
+        if a.grad is not None:
+            assert torch.equal(a.grad, b.grad), name
