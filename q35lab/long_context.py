@@ -65,6 +65,12 @@ __all__ = [
     "untile_gated_delta_net",
     "tile_gated_delta_nets",
     "untile_gated_delta_nets",
+    "tiled_gated_delta_net_layer",
+    "TiledGDNLayerFunction",
+    "TiledGDNLayerForward",
+    "is_gated_delta_net_layer",
+    "tile_gated_delta_net_layer",
+    "untile_gated_delta_net_layer",
     "gated_delta_net_problem",
     "CheckpointOffloader",
     "offloaded_checkpoints",
@@ -103,10 +109,18 @@ class _Tiles:
     ``fn`` is either a per-token map ``fn(piece) -> y`` (``scan=False``: the MLP), or a scan step
     ``fn(piece, carry, (start, end)) -> (y, carry)`` (``scan=True``: the GatedDeltaNet), where
     ``carry`` is None for the first tile and otherwise the tuple of tensors the previous tile
-    returned — what the sequence carries across a tile boundary."""
+    returned — what the sequence carries across a tile boundary. ``y`` may come as a tuple of
+    addends (a decoder layer's residual and its MLP's output): the forward writes their sum, and
+    the backward roots each on the same gradient, so that the MLP's output can stay uncomputed
+    (``_recompute_tile``).
+
+    ``hold_carries``: the carries are kept here (``carries``), not saved for backward. Saved, a
+    gradient checkpoint around the caller recomputes them, which means running every tile's
+    forward again; held, the checkpoint's recompute can stop at the input (``_StashInput``), at
+    the price of the carries staying alive from forward to backward (2 MiB a tile at 9B)."""
 
     def __init__(self, fn, tile: int, preserve_rng_state: bool, device: torch.device, *, scan: bool = False,
-                 name: str = "mlp_forward"):
+                 name: str = "mlp_forward", hold_carries: bool = False):
         self.fn, self.tile, self.preserve_rng_state, self.scan, self.name = fn, tile, preserve_rng_state, scan, name
         self.device_type = device.type
         # the device whose RNG dropout draws from (none for a CPU input: the CPU state is always kept)
@@ -114,6 +128,7 @@ class _Tiles:
         self.autocast = _autocast_state(device.type)
         self.rng_states: list = []
         self.stash = None  # the _StashInput node that holds x, when there is one
+        self.hold_carries, self.carries = hold_carries, None
 
     def bounds(self, tokens: int):
         return [(start, min(start + self.tile, tokens)) for start in range(0, tokens, self.tile)]
@@ -174,6 +189,8 @@ def _run_tiles(tiles: _Tiles, x: torch.Tensor, record_rng: bool, keep_carries: b
             carries.append(carry)
         piece = x[..., start:end, :]
         y, carry = tiles.step(piece, carry, (start, end))
+        if isinstance(y, tuple):  # addends
+            y = functools.reduce(torch.add, y)
         if not isinstance(y, torch.Tensor) or y.dim() != piece.dim() or y.shape[:-1] != piece.shape[:-1]:
             got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
             raise ValueError(f"{tiles.name}: expected a tensor of shape {tuple(piece.shape[:-1])} + (N,) for a tile "
@@ -248,36 +265,42 @@ class _TiledFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tiles: _Tiles, x: torch.Tensor, *params: torch.Tensor):
         out, carries = _run_tiles(tiles, x, record_rng=tiles.preserve_rng_state)
-        flat, ctx.carry_sizes = _flatten_carries(carries)
+        if tiles.hold_carries:
+            tiles.carries, flat = carries, []
+        else:
+            flat, ctx.carry_sizes = _flatten_carries(carries)
         ctx.tiles = tiles
         ctx.params = params  # references, not saved tensors: no pack, no recompute of a parameter
         ctx.save_for_backward(*(() if tiles.stash is not None else (x,)), *flat)
         return out
 
 
+def _addends(y) -> tuple:
+    return y if isinstance(y, tuple) else (y,)
+
+
 def _recompute_tile(tiles: _Tiles, piece: torch.Tensor, carry_in, span: tuple[int, int], index: int):
-    """Tile ``index``'s forward again, with grad, for its backward: ``(y, carry)``.
+    """Tile ``index``'s forward again, with grad, for its backward: ``(addends of y, carry)``.
 
     ``y`` only roots the tile's backward (``autograd.grad(y, ..., dy)``), and a q35lab-patched MLP
-    makes it with ``swiglu_down``, whose down GEMM's backward needs ``dy`` alone: that GEMM is left
-    uncomputed (``unread_down_outputs``), as the untiled layer's checkpoint recompute stops before
-    it. 2·T·I·H FLOPs a layer saved (106 TFLOP a 9B step at 32k). If ``y`` is anything but the
-    unmodified output of the one GEMM skipped, something may have read the uncomputed values: the
-    tile runs again in full (its RNG state restored), its forward twice. A scan's carry is read by
-    the next tile: computed as it is."""
-    if tiles.scan:
-        return tiles.step(piece, carry_in, span)
+    makes it (or its last addend, in a decoder layer) with ``swiglu_down``, whose down GEMM's
+    backward needs ``dy`` alone: that GEMM is left uncomputed (``unread_down_outputs``), as the
+    untiled layer's checkpoint recompute stops before it. 2·T·I·H FLOPs a layer saved (106 TFLOP a
+    9B step at 32k). If the last addend is anything but the unmodified output of the one GEMM
+    skipped, something may have read the uncomputed values: the tile runs again in full (its RNG
+    state restored), its forward twice. A scan's carry comes from the mixer, before the MLP."""
     with unread_down_outputs() as skipped:
         y, carry = tiles.step(piece, carry_in, span)
-    # exactly one skipped GEMM, and it is the output: with two (two MLPs chained), the first's
+    # exactly one skipped GEMM, and it is the last addend: with two (two MLPs chained), the first's
     # uncomputed output would have fed the second
-    if not skipped or (len(skipped) == 1 and is_unread(y, skipped)):
-        return y, carry
+    if not skipped or (len(skipped) == 1 and is_unread(_addends(y)[-1], skipped)):
+        return _addends(y), carry
     del y, carry  # the first pass's graph holds its saved tensors: not alive beside the second's
     skipped.clear()
     if tiles.preserve_rng_state:
         tiles.restore_rng(index)
-    return tiles.step(piece, carry_in, span)
+    y, carry = tiles.step(piece, carry_in, span)
+    return _addends(y), carry
 
 
 def _tiled_backward(ctx, grad_out):
@@ -288,7 +311,7 @@ def _tiled_backward(ctx, grad_out):
         (x,) = tiles.stash.saved_tensors
     else:
         x, saved = saved[0], saved[1:]
-    carries = _unflatten_carries(saved, ctx.carry_sizes)
+    carries = tiles.carries if tiles.hold_carries else _unflatten_carries(saved, ctx.carry_sizes)
     want_x = ctx.needs_input_grad[1]
     wanted = [i for i, p in enumerate(ctx.params) if ctx.needs_input_grad[2 + i]]
     dx = torch.empty_like(x) if want_x else None
@@ -306,8 +329,8 @@ def _tiled_backward(ctx, grad_out):
             with torch.enable_grad(), _autocast(tiles.autocast):
                 piece = x[..., start:end, :].detach().requires_grad_(want_x)
                 carry_in = _carry_leaves(carries[index])
-                y, carry_out = _recompute_tile(tiles, piece, carry_in, (start, end), index)
-            pairs = [(y, grad_out[..., start:end, :])]
+                addends, carry_out = _recompute_tile(tiles, piece, carry_in, (start, end), index)
+            pairs = [(y, grad_out[..., start:end, :]) for y in addends]
             if handed_back is not None:
                 pairs += [(c, g) for c, g in zip(carry_out, handed_back) if g is not None]
             pairs = [(o, g) for o, g in pairs if o.requires_grad]
@@ -442,14 +465,19 @@ def tiled_mlp(mlp_forward, x: torch.Tensor, tile_tokens: int, *, params=None,
                             "flow to (params=() if none)")
     params = _check_params(params)
     tiles = _Tiles(mlp_forward, tile, bool(preserve_rng_state), x.device)
-    needs_graph = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
-    if not needs_graph:
+    return _tiled_call(TiledMLPFunction, tiles, x, params, stash=True)
+
+
+def _tiled_call(function: type, tiles: _Tiles, x: torch.Tensor, params, stash: bool) -> torch.Tensor:
+    """``function.apply(tiles, x, *params)`` where a backward will need it (``x`` saved first by its
+    own node if ``stash``: ``_StashInput``); without one, tile by tile without grad."""
+    if not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))):
         with torch.no_grad():
             return _run_tiles(tiles, x, record_rng=False, keep_carries=False)[0]
-    if x.requires_grad:
+    if stash and x.requires_grad:
         x = _StashInput.apply(x)
         tiles.stash = x.grad_fn
-    return TiledMLPFunction.apply(tiles, x, *params)
+    return function.apply(tiles, x, *params)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -613,6 +641,26 @@ def _packed(kwargs: dict) -> str | None:
     return next((name for name in _PACKING_ARGUMENTS if kwargs.get(name) is not None), None)
 
 
+def _check_tiled_call(x, tile_tokens, attention_mask, kwargs: dict, hidden: int, what: str) -> int:
+    """The tile size, after checking a tiled GatedDeltaNet's (or its layer's) call: ``x`` [B, T,
+    hidden], a 2-D padding mask of [B, T] or None, no packed sequences (``ValueError`` naming the
+    argument)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 3 or x.shape[-1] != hidden:
+        raise ValueError(f"x: expected [B, T, {hidden}] ({what}'s input), got shape {tuple(x.shape)}")
+    tile = _check_tile_tokens(tile_tokens)
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
+                                       or tuple(attention_mask.shape) != tuple(x.shape[:2])):
+        got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        raise ValueError(f"attention_mask: expected a 2-D padding mask of shape {tuple(x.shape[:2])} or None, got {got}")
+    packed = _packed(kwargs)
+    if packed:
+        raise ValueError(f"{packed}: packed sequences are not tiled (their boundaries do not line up with tiles); "
+                         f"call {what} untiled")
+    return tile
+
+
 @opaque_to_compile  # Python callables inside an autograd Function, per-tile RNG state: eager code
 def tiled_gated_delta_net(gdn: torch.nn.Module, x: torch.Tensor, tile_tokens: int, *,
                           attention_mask: torch.Tensor | None = None, preserve_rng_state: bool = True,
@@ -656,7 +704,8 @@ def tiled_gated_delta_net(gdn: torch.nn.Module, x: torch.Tensor, tile_tokens: in
     gives it — avoiding that pass would take keeping a [T, H] output per layer, which is what the
     checkpoint exists to drop. That is one GatedDeltaNet forward more than the untiled layer
     (8–10% of a GatedDeltaNet layer's step at 9B by GEMM FLOPs; the tiled MLP after it keeps its
-    early stop).
+    early stop). ``tiled_gated_delta_net_layer`` avoids it by tiling the whole decoder layer,
+    which is what ``apply_to_qwen3_5(tiled_gdn=N)`` does where the layer's MLP is per token.
 
     Dropout, autocast, RNG, frozen or trainable parameters, ``retain_graph`` and the second
     derivative's error: as ``tiled_mlp``. With dropout the masks are the tile's own draws, not
@@ -669,29 +718,102 @@ def tiled_gated_delta_net(gdn: torch.nn.Module, x: torch.Tensor, tile_tokens: in
     problem = gated_delta_net_problem(gdn)
     if problem:
         raise TypeError(f"gdn: cannot be tiled: {problem}")
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 3 or x.shape[-1] != gdn.hidden_size:
-        raise ValueError(f"x: expected [B, T, {gdn.hidden_size}] (the GatedDeltaNet's input), got shape {tuple(x.shape)}")
-    tile = _check_tile_tokens(tile_tokens)
-    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
-                                       or tuple(attention_mask.shape) != tuple(x.shape[:2])):
-        got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
-        raise ValueError(f"attention_mask: expected a 2-D padding mask of shape {tuple(x.shape[:2])} or None, got {got}")
-    packed = _packed(kwargs)
-    if packed:
-        raise ValueError(f"{packed}: packed sequences are not tiled (their boundaries do not line up with tiles); "
-                         "call the GatedDeltaNet untiled")
+    tile = _check_tiled_call(x, tile_tokens, attention_mask, kwargs, gdn.hidden_size, "the GatedDeltaNet")
     step = _GatedDeltaNetTile(gdn, attention_mask, kwargs)
     tokens = x.shape[1]
     if tile >= tokens or tokens == 0:
         return step(x, None, (0, tokens))[0]
     params = tuple(p for p in gdn.parameters() if p.requires_grad)
     tiles = _Tiles(step, tile, bool(preserve_rng_state), x.device, scan=True, name="GatedDeltaNet tile")
-    if not (torch.is_grad_enabled() and (x.requires_grad or params)):
-        with torch.no_grad():
-            return _run_tiles(tiles, x, record_rng=False, keep_carries=False)[0]
-    return TiledGDNFunction.apply(tiles, x, *params)
+    # not stashed: the layer's recompute needs this node's output anyway (the passes above)
+    return _tiled_call(TiledGDNFunction, tiles, x, params, stash=False)
+
+
+class _GatedDeltaNetLayerTile:
+    """One tile of a GatedDeltaNet decoder layer: ``((h, m), carry) = tile(x, carry, span)`` with
+
+        h, carry' = x + GatedDeltaNet_tile(input_layernorm(x), carry)      (``_GatedDeltaNetTile``)
+        m         = mlp(post_attention_layernorm(h))
+
+    the layer's output ``h + m`` given as its two addends (``_Tiles``): what transformers'
+    ``Qwen3_5DecoderLayer.forward`` computes for a linear-attention layer, on the tile's rows."""
+
+    def __init__(self, layer: torch.nn.Module, attention_mask: torch.Tensor | None, kwargs: dict):
+        self.layer = layer
+        self.mixer = _GatedDeltaNetTile(layer.linear_attn, attention_mask, kwargs)
+        # a tiled MLP's own forward: the layer's tile already bounds the MLP's working set, and an MLP
+        # tiled again inside it would hide its down GEMM's output from _recompute_tile
+        forward = vars(layer.mlp).get("forward")
+        self.mlp = forward.untiled if isinstance(forward, TiledMLPForward) else layer.mlp
+
+    def __call__(self, x: torch.Tensor, carry, span: tuple[int, int]):
+        layer = self.layer
+        mixed, carry = self.mixer(layer.input_layernorm(x), carry, span)
+        h = x + mixed
+        return (h, self.mlp(layer.post_attention_layernorm(h))), carry
+
+
+class TiledGDNLayerFunction(_TiledFunction):
+    """The tiled GatedDeltaNet decoder layer's node: ``_TiledFunction`` of ``_GatedDeltaNetLayerTile``,
+    its carries held (``_Tiles.hold_carries``); ``tiled_gated_delta_net_layer``."""
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad_out):
+        return _tiled_backward(ctx, grad_out)
+
+
+def is_gated_delta_net_layer(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a transformers decoder layer of a GatedDeltaNet and a per-token MLP
+    (the dense Qwen3.5's; the MoE's routed block is not tiled with its layer)."""
+    return (_is_decoder_layer(module) and getattr(module, "block_type", None) == "linear_attention"
+            and _is_gated_delta_net(getattr(module, "linear_attn", None)) and _is_mlp(getattr(module, "mlp", None))
+            and all(isinstance(getattr(module, n, None), torch.nn.Module)
+                    for n in ("input_layernorm", "post_attention_layernorm")))
+
+
+@opaque_to_compile  # as tiled_gated_delta_net
+def tiled_gated_delta_net_layer(layer: torch.nn.Module, x: torch.Tensor, tile_tokens: int, *,
+                                attention_mask: torch.Tensor | None = None, preserve_rng_state: bool = True,
+                                **kwargs) -> torch.Tensor:
+    """A GatedDeltaNet decoder layer's forward ``layer(x, attention_mask=...)`` computed
+    ``tile_tokens`` positions at a time, the whole layer in each tile (``_GatedDeltaNetLayerTile``:
+    input norm, the GatedDeltaNet's tile with its carry, residual, post-attention norm, MLP,
+    residual): exactly the layer's function, with the backward's working set of one tile.
+
+    Why the whole layer and not the GatedDeltaNet alone (``tiled_gated_delta_net``): under the
+    decoder layer's gradient checkpoint, the checkpoint's recompute must rebuild what the layer's
+    later ops save (the post-attention norm's and the MLP's inputs), which takes the
+    GatedDeltaNet's output, which only a tile pass gives: three GatedDeltaNet forwards a step
+    where the untiled layer runs two (measured +10.9% of the 9B step at 32k on the H200, 963ed32).
+    Tiled as a whole, the layer saves its input first (``_StashInput``) and holds its carries
+    (``_Tiles.hold_carries``), so the checkpoint's recompute stops at the input: forward 1 (tiles,
+    no grad), recompute 0, backward 1 forward (without the MLP's down GEMM, ``_recompute_tile``)
+    and 1 backward per tile in reverse — the untiled checkpointed layer's passes. The carries, the
+    fp32 delta-rule state and the conv's last K−1 input rows (2.05 MiB a tile at 9B), stay alive
+    from the forward to the layer's backward: 24 layers × T / tile of them.
+
+    ``layer``: a decoder layer ``is_gated_delta_net_layer`` accepts, patched by q35lab or not;
+    ``attention_mask``: the 2-D padding mask; ``kwargs``: the rest the layer would hand its
+    GatedDeltaNet. Packed sequences are refused (``ValueError``); ``tile_tokens`` ≥ T runs the
+    tile function once, with grad; nothing requiring grad: tile by tile without grad. Dropout, RNG,
+    autocast, frozen or trainable parameters, ``retain_graph`` and the second derivative's error:
+    as ``tiled_mlp``."""
+    if not isinstance(layer, torch.nn.Module) or not is_gated_delta_net_layer(layer):
+        raise TypeError(f"layer: expected a transformers GatedDeltaNet decoder layer with a per-token MLP, "
+                        f"got {type(layer).__name__}")
+    problem = gated_delta_net_problem(layer.linear_attn)
+    if problem:
+        raise TypeError(f"layer: its GatedDeltaNet cannot be tiled: {problem}")
+    tile = _check_tiled_call(x, tile_tokens, attention_mask, kwargs, layer.linear_attn.hidden_size, "the layer")
+    step = _GatedDeltaNetLayerTile(layer, attention_mask, kwargs)
+    tokens = x.shape[1]
+    if tile >= tokens or tokens == 0:
+        return functools.reduce(torch.add, step(x, None, (0, tokens))[0])
+    params = tuple(p for p in layer.parameters() if p.requires_grad)
+    tiles = _Tiles(step, tile, bool(preserve_rng_state), x.device, scan=True, name="GatedDeltaNet layer tile",
+                   hold_carries=True)
+    return _tiled_call(TiledGDNLayerFunction, tiles, x, params, stash=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -776,6 +898,47 @@ class TiledGDNForward(_TiledForward):
         return why
 
 
+def _checkpoints_the_call() -> bool:
+    """Whether transformers' ``GradientCheckpointingLayer`` checkpoints ``__call__`` (5.17), around an
+    instance's forward, rather than the class's ``forward`` (5.2x), which an instance's forward replaces."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return "__call__" in vars(GradientCheckpointingLayer)
+
+
+class TiledGDNLayerForward(_TiledForward):
+    """A GatedDeltaNet decoder layer's forward through ``tiled_gated_delta_net_layer`` when it
+    trains on more than a tile; otherwise the wrapped forward, whose GatedDeltaNet (tiled by
+    ``TiledGDNForward`` where it can be) says why it runs untiled."""
+
+    #: the layer's own arguments, which its GatedDeltaNet does not take
+    LAYER_ARGUMENTS = ("hidden_states", "attention_mask", "position_embeddings", "position_ids", *_CACHE_ARGUMENTS)
+
+    def __call__(self, *args, **kwargs):
+        x = args[0] if args else kwargs.get("hidden_states")
+        if self._untiled(x, args, kwargs):
+            return self.untiled(*args, **kwargs)
+        rest = {k: v for k, v in kwargs.items() if k not in self.LAYER_ARGUMENTS}
+        tiled = functools.partial(tiled_gated_delta_net_layer, self.module, tile_tokens=self.tile_tokens,
+                                  attention_mask=kwargs.get("attention_mask"), **rest)
+        layer = self.module
+        if layer.gradient_checkpointing and layer.training and not _checkpoints_the_call():
+            # transformers that checkpoints the class's forward (which this one replaces): as it would, through the
+            # layer's checkpoint function (the offload's hooks wrap it); one that checkpoints __call__ has already
+            return layer._gradient_checkpointing_func(tiled, x)
+        return tiled(x)
+
+    def _untiled(self, x, args: tuple, kwargs: dict) -> bool:
+        if len(args) > 1 or not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[1] <= self.tile_tokens:
+            return True
+        if not torch.is_grad_enabled() or not (x.requires_grad
+                                               or any(p.requires_grad for p in self.module.parameters())):
+            return True
+        gdn = self.module.linear_attn
+        return (_has_cache(kwargs) or _packed(kwargs) is not None or getattr(gdn.conv1d, "_hf_hook", None) is not None
+                or gated_delta_net_problem(gdn) is not None)
+
+
 def _tile(module: torch.nn.Module, tile_tokens: int, forward_class: type) -> bool:
     """Give ``module`` a ``forward_class`` around its current forward; True if it had none (an
     existing one just takes the new tile size)."""
@@ -842,13 +1005,35 @@ def untile_gated_delta_net(gdn: torch.nn.Module) -> bool:
 
 
 def tile_gated_delta_nets(model: torch.nn.Module, tile_tokens: int) -> int:
-    """``tile_gated_delta_net`` on every GatedDeltaNet of ``model`` that can be tiled; how many were new."""
-    return sum(tile_gated_delta_net(m, tile_tokens) for m in model.modules()
-               if _is_gated_delta_net(m) and gated_delta_net_problem(m) is None)
+    """``tile_gated_delta_net`` on every GatedDeltaNet of ``model`` that can be tiled, and
+    ``tile_gated_delta_net_layer`` on every decoder layer of one with a per-token MLP (the tiled
+    layer is what trains; the tiled GatedDeltaNet serves the layers that cannot be tiled whole);
+    how many modules were new."""
+    new = 0
+    for m in model.modules():
+        if _is_gated_delta_net(m) and gated_delta_net_problem(m) is None:
+            new += tile_gated_delta_net(m, tile_tokens)
+        elif is_gated_delta_net_layer(m) and gated_delta_net_problem(m.linear_attn) is None:
+            new += tile_gated_delta_net_layer(m, tile_tokens)
+    return new
 
 
 def untile_gated_delta_nets(model: torch.nn.Module) -> int:
-    return sum(untile_gated_delta_net(m) for m in model.modules() if _is_gated_delta_net(m))
+    return sum(untile_gated_delta_net(m) or untile_gated_delta_net_layer(m) for m in model.modules())
+
+
+def tile_gated_delta_net_layer(layer: torch.nn.Module, tile_tokens: int) -> bool:
+    """Give a GatedDeltaNet decoder layer a ``TiledGDNLayerForward``; True if it had none.
+    ``TypeError`` (naming ``layer``) for a module ``is_gated_delta_net_layer`` refuses."""
+    if not is_gated_delta_net_layer(layer):
+        raise TypeError(f"layer: expected a transformers GatedDeltaNet decoder layer with a per-token MLP, "
+                        f"got {type(layer).__name__}")
+    return _tile(layer, tile_tokens, TiledGDNLayerForward)
+
+
+def untile_gated_delta_net_layer(layer: torch.nn.Module) -> bool:
+    """Put back the forward ``tile_gated_delta_net_layer`` wrapped; True if there was a tiled one."""
+    return _untile(layer, TiledGDNLayerForward)
 
 
 # ==============================================================================================
@@ -1452,7 +1637,7 @@ def _gdn_carry_bytes(d: _Dims, e: int) -> int:
 
 
 def _phase_terms(d: _Dims, e: int, r: int, tiled: bool, gdn_tile: int | None = None,
-                 mlp_keeps_h: bool = False) -> dict[str, dict[str, float]]:
+                 mlp_keeps_h: bool = False, gdn_whole_layer: bool = True) -> dict[str, dict[str, float]]:
     """Per-token bytes of each phase of one layer's backward (checkpoints and residual excluded).
 
     Counted from the code that runs on the GPU: q35lab's patched modules (fused in_proj and
@@ -1464,10 +1649,14 @@ def _phase_terms(d: _Dims, e: int, r: int, tiled: bool, gdn_tile: int | None = N
     fp32 dq accumulator in backward). fla's and SDPA's terms are read from their code, not
     measured: the GPU measurement closes them.
 
-    ``tiled``: the MLP is tiled (its input and dx remain per token). ``gdn_tile``: the
-    GatedDeltaNet is tiled at this many tokens: of its terms only its input, its dx and the
-    carries into each tile (``_gdn_carry_bytes`` a tile) remain per token; the rest is one tile's
-    (``bytes_per_token`` counts it as fixed). ``mlp_keeps_h``: the down projection runs its own
+    ``tiled``: the MLP is tiled (its input and dx remain per token). ``gdn_tile``: a GatedDeltaNet's
+    decoder layer is tiled whole at this many tokens (``tiled_gated_delta_net_layer``): its
+    backward keeps only the layer's input and its dx per token, one phase; the rest is one tile's
+    (``bytes_per_token`` counts it as fixed, and the carries every such layer holds as common).
+    ``gdn_whole_layer=False``: the GatedDeltaNet alone is tiled (``tiled_gated_delta_net``, what
+    ``tiled_gdn`` did before 2026-12-06): of its terms its input, its dx and its own carries
+    (``_gdn_carry_bytes`` a tile) remain per token, and the MLP's phase follows it as untiled.
+    ``mlp_keeps_h``: the down projection runs its own
     forward and keeps the SwiGLU output [I] for its backward (see ``bytes_per_token``).
     """
     H, I = d.H, d.I
@@ -1484,7 +1673,7 @@ def _phase_terms(d: _Dims, e: int, r: int, tiled: bool, gdn_tile: int | None = N
         if mlp_keeps_h:
             mlp["MLP: SwiGLU output [I] (saved by down)"] = I * e
     gdn_saved, gdn_bwd = _gdn_terms(d, e, r)
-    if gdn_tile is not None:  # what the layer's recompute rebuilds before the MLP's backward, and then the GDN's
+    if gdn_tile is not None and not gdn_whole_layer:  # the layer's recompute rebuilds the GDN's output
         gdn_saved = {"GDN: input (saved once by the tiling)": H * e,
                      "GDN: carries into each tile (fp32 state, K−1 conv rows)": _gdn_carry_bytes(d, e) / gdn_tile}
         gdn_bwd = {"GDN: dx of the whole sequence": H * e}
@@ -1504,7 +1693,10 @@ def _phase_terms(d: _Dims, e: int, r: int, tiled: bool, gdn_tile: int | None = N
     }
     phases = {}
     kinds = set(d.layer_types)
-    if "linear_attention" in kinds:
+    if "linear_attention" in kinds and gdn_tile is not None and gdn_whole_layer:
+        phases["GatedDeltaNet layer backward (tiled)"] = {"GDN layer: input (saved once by the tiling)": H * e,
+                                                          "GDN layer: dx of the whole sequence": H * e}
+    elif "linear_attention" in kinds:
         phases["MLP backward (GatedDeltaNet layer)"] = {**gdn_saved, **norm, **mlp}
         phases["GatedDeltaNet backward"] = {**gdn_saved, **gdn_bwd, "input norm: fp32 rstd": 4}
     if "full_attention" in kinds:
@@ -1564,7 +1756,7 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
                     lora_rank: int = 16, dtype_bytes: int = 2, weight_bytes: int | None = None,
                     adapter_bytes: int = 4, batch: int = 1, loss_chunk_bytes: int | None = None,
                     slack_bytes: float = 2 * GiB, mlp_keeps_h: bool = False,
-                    other_trainable_parameters: int = 0) -> MemoryModel:
+                    other_trainable_parameters: int = 0, gdn_whole_layer: bool = True) -> MemoryModel:
     """Predict the peak's slope (bytes per token) of a Qwen3.5 LoRA step under gradient
     checkpointing, term by term, and its constant part.
 
@@ -1578,25 +1770,28 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
     * one layer's backward working set, the largest phase of ``_phase_terms``: the MLP's backward
       (the mixer's saved tensors are alive then, the whole layer having been recomputed), the
       GatedDeltaNet's or the attention's backward; tiled, the MLP's or the GatedDeltaNet's keeps
-      only its input and its dx per token (2·H·e), and the GatedDeltaNet its carries (the fp32
-      state and K−1 conv rows, 2.05 MiB a tile at 9B: 262 B a token at 8192-token tiles);
+      only its input and its dx per token (2·H·e), the GatedDeltaNet's decoder layer tiled whole
+      likewise, one phase; and every tiled layer holds its carries from forward to backward (the
+      fp32 state and K−1 conv rows, 2.05 MiB a tile at 9B: 24 × 262 B a token at 8192-token tiles);
     * the loss phase (end of forward: every checkpoint, the final norm's input, its output and the
       fused loss's dx, 3·H·e) is compared too; it is never the largest here.
 
     Constant: the weights (``parameter_count``·weight_bytes), the LoRA adapters with their
     gradients and AdamW's two fp32 moments (``lora_parameter_count``·(2·adapter_bytes + 8)), the
     fused loss's logits chunk, one MLP tile's working set when tiled (tile·(H + 3I)·e), one
-    GatedDeltaNet tile's when tiled (tile · its untiled per-token terms, saved and backward, two
-    carries: the one it hands on and its gradient, and the conv's input, (tile + K − 1) · conv_dim · e,
-    a new buffer after the first tile), and ``slack_bytes`` (cuBLAS workspaces,
+    GatedDeltaNet layer tile's when tiled (tile · the GatedDeltaNet's untiled per-token terms, saved
+    and backward, the norms' inputs and the MLP's untiled terms; two carries: the one it hands on
+    and its gradient; and the conv's input, (tile + K − 1) · conv_dim · e, a new buffer after the
+    first tile), and ``slack_bytes`` (cuBLAS workspaces,
     allocator rounding). ``offload``: True (every layer), a fraction or a count of layers; host
     memory then holds k·H·e per token. ``mlp_keeps_h``: the MLP's down projection runs its own
     forward and so keeps the SwiGLU output (I·e a token, and a tile's (H + 4I)·e when tiled) — where
     its adapter has dropout or a hook watches it, and in q35lab before ``swiglu_down`` (the H200
     measurements up to commit 38249b1, whose MLP backward also allocated fresh dgate and dup, 2I·e
-    more, which no setting here counts). ``other_trainable_parameters``: parameters that train besides
-    the adapters (PEFT's ``modules_to_save``, a full fine-tune), each with a gradient of
-    ``weight_bytes`` and AdamW's two fp32 moments.
+    more, which no setting here counts). ``gdn_whole_layer=False``: the GatedDeltaNet tiled alone, as
+    ``tiled_gdn`` did before 2026-12-06 (``_phase_terms``). ``other_trainable_parameters``:
+    parameters that train besides the adapters (PEFT's ``modules_to_save``, a full fine-tune),
+    each with a gradient of ``weight_bytes`` and AdamW's two fp32 moments.
     """
     d = _dims(config)
     e, r = int(dtype_bytes), int(lora_rank)
@@ -1618,14 +1813,19 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
         "token ids, labels, positions, RoPE": 8 + 8 + 32 + 2 * d.rotary * e,
     }
     gdn_tile = None if tiled_gdn_tokens is None else _check_tile_tokens(tiled_gdn_tokens, "tiled_gdn_tokens")
+    gdn_layers = d.layer_types.count("linear_attention")
+    if gdn_tile is not None and gdn_layers and gdn_whole_layer:  # held from each layer's forward to its backward
+        common[f"GDN layers: carries held into each tile ({gdn_layers} layers)"] = (
+            gdn_layers * _gdn_carry_bytes(d, e) / gdn_tile)
     phases = {name: {**common, **terms} for name, terms in
               _phase_terms(d, e, r, tiled=tiled_mlp_tokens is not None, gdn_tile=gdn_tile,
-                           mlp_keeps_h=mlp_keeps_h).items()}
+                           mlp_keeps_h=mlp_keeps_h, gdn_whole_layer=gdn_whole_layer).items()}
     phases["loss (end of forward)"] = {
         f"checkpoint inputs ({d.L - k} of {d.L} layers on the GPU)": (d.L - k) * d.H * e,
         "final norm: input, output": 2 * d.H * e,
         "fused loss: dx (computed in forward)": d.H * e,
         "token ids, labels, positions, RoPE": common["token ids, labels, positions, RoPE"],
+        **{name: value for name, value in common.items() if name.startswith("GDN layers: carries")},
     }
     totals = {name: sum(terms.values()) for name, terms in phases.items()}
     phase = max(totals, key=totals.get)
@@ -1646,10 +1846,13 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
                                                 * (d.H + (4 if mlp_keeps_h else 3) * d.I) * e)
     if gdn_tile is not None and "linear_attention" in d.layer_types:
         saved, backward = _gdn_terms(d, e, r)
-        # + the conv's input for a tile after the first: the carried K−1 rows and the tile's, one new buffer
-        fixed["GatedDeltaNet: one tile's working set"] = batch * (
-            gdn_tile * (sum(saved.values()) + sum(backward.values())) + 2 * _gdn_carry_bytes(d, e)
-            + (gdn_tile + d.conv_kernel - 1) * d.conv_dim * e)
+        # the GatedDeltaNet's terms, saved and backward, the norms' inputs, the MLP's terms untiled, two carries
+        # (the one handed on and its gradient), and the conv's input for a tile after the first: the carried
+        # K−1 rows and the tile's, one new buffer
+        layer_terms = 2 * (d.H * e + 4) + (d.H + (4 if mlp_keeps_h else 3) * d.I + 3 * r) * e if gdn_whole_layer else 0
+        name = "GatedDeltaNet layer" if gdn_whole_layer else "GatedDeltaNet"
+        fixed[f"{name}: one tile's working set"] = batch * (gdn_tile * (sum(saved.values()) + sum(backward.values()) + layer_terms)
+                               + 2 * _gdn_carry_bytes(d, e) + (gdn_tile + d.conv_kernel - 1) * d.conv_dim * e)
     terms = {name: value * batch for name, value in phases[phase].items()}
     return MemoryModel(terms=terms, phase=phase, phases={n: t * batch for n, t in totals.items()}, fixed=fixed,
                        host_per_token=k * d.H * e * batch, offloaded_layers=k, layers=d.L)

@@ -1208,8 +1208,10 @@ def apply_to_qwen3_5(
     Long context (off by default): ``tiled_mlp=N`` computes every MLP in tiles of N tokens,
     recomputed per tile in backward (a tile's intermediates instead of the sequence's);
     ``tiled_gdn=N`` does the same for every GatedDeltaNet that trains on more than N tokens, the
-    conv's last rows and the recurrent state carried from tile to tile (exact; calls with a cache
-    or packed sequences run untiled, with a warning); ``offload_checkpoints`` (a fraction of the
+    conv's last rows and the recurrent state carried from tile to tile, and its whole decoder layer
+    (norms, MLP, residuals) in each tile where the MLP is per token, so that the layer's checkpoint
+    need not run the GatedDeltaNet a third time (exact; calls with a cache or packed sequences run
+    untiled, with a warning); ``offload_checkpoints`` (a fraction of the
     decoder layers, or a count) keeps their gradient-checkpoint inputs in pinned host memory
     between forward and backward (``q35lab.long_context`` sizes and explains all three).
     ``long_context=N`` is the one switch for all three: it plans them for steps of up to N tokens
@@ -1259,6 +1261,8 @@ def apply_to_qwen3_5(
             _skip_key_head_repeat(module, report)
         if tiled_gdn and _is_gated_delta_net(module):  # wraps the conv's forward, and calls the fused in_proj
             _tile_gdn(module, tiled_gdn, report)
+        if tiled_gdn:  # a GatedDeltaNet's decoder layer: calls the above's pieces, tile by tile
+            _tile_gdn_layer(module, tiled_gdn, report)
         if swiglu and _is_swiglu_mlp(module):
             _patch_mlp(module, report)
         if experts and _is_routed_experts(module):
@@ -1337,7 +1341,8 @@ def _offload_checkpoints(model: torch.nn.Module, layers, report: "PatchReport") 
 def _report_tiled_gdn(model: torch.nn.Module, tile_tokens: int, report: "PatchReport") -> None:
     if any(isinstance(vars(m).get("forward"), long_context.TiledGDNForward) for m in model.modules()):
         report.runs["tiled GatedDeltaNet"] = (
-            f"tiles of {tile_tokens} tokens when a GatedDeltaNet trains on more; untiled without grad (eval, "
+            f"tiles of {tile_tokens} tokens when a GatedDeltaNet trains on more, its whole decoder layer (norms, MLP, "
+            "residuals) in each tile where the MLP is per token; untiled without grad (eval, "
             "generation) and, with a warning, given a cache (use_cache=False without gradient checkpointing) or "
             "packed sequences (cu_seq_lens_q: their boundaries do not line up with tiles)")
 
@@ -1360,6 +1365,16 @@ def _tile_gdn(gdn: torch.nn.Module, tile_tokens: int, report: "PatchReport") -> 
         report.already_patched += 1
 
 
+def _tile_gdn_layer(layer: torch.nn.Module, tile_tokens: int, report: "PatchReport") -> None:
+    if not long_context.is_gated_delta_net_layer(layer) or long_context.gated_delta_net_problem(layer.linear_attn):
+        return  # a problem is said once, by _tile_gdn
+    if long_context.tile_gated_delta_net_layer(layer, tile_tokens):
+        what = f"{type(layer).__name__} (GatedDeltaNet and MLP tiled together, {tile_tokens} tokens a tile)"
+        report.replaced[what] += 1
+    else:
+        report.already_patched += 1
+
+
 def revert(model: torch.nn.Module) -> PatchReport:
     """Undo ``apply_to_qwen3_5``: every patched module gets its original back (same weights)."""
     if not isinstance(model, torch.nn.Module):
@@ -1377,6 +1392,8 @@ def revert(model: torch.nn.Module) -> PatchReport:
         _unpatch_mlp(module, report)
         _unpatch_experts(module, report)
         if long_context.untile_gated_delta_net(module):  # before the conv: it wraps the conv's forward
+            report.reverted[f"{type(module).__name__} (tiled)"] += 1
+        if long_context.untile_gated_delta_net_layer(module):
             report.reverted[f"{type(module).__name__} (tiled)"] += 1
         _unpatch_conv(module, report)
         _unskip_key_head_repeat(module, report)

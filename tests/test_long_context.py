@@ -896,11 +896,15 @@ def test_a_patched_model_with_every_long_context_option_under_checkpointing_and_
     report = q35lab.apply_to_qwen3_5(model, tiled_gdn=4, tiled_mlp=4, offload_checkpoints=1.0)
     assert report.replaced["Qwen3_5GatedDeltaNet (tiled, 4 tokens a tile)"] == 1
     assert report.replaced["Qwen3_5MLP (tiled, 4 tokens a tile)"] == 2 and "tiled GatedDeltaNet" in report.runs
+    assert report.replaced["Qwen3_5DecoderLayer (GatedDeltaNet and MLP tiled together, 4 tokens a tile)"] == 1
     tiles, mlp_calls = _count_tiles(_gdn(model)), _count_mlp_calls(model)
     got = _step(model, ids, autocast=True)
     # forward, the layer checkpoint's recompute (it needs the output: see tiled_gated_delta_net), backward
-    assert tiles == [4, 4, 3] * 2 + [3, 4, 4]
-    assert mlp_calls == [4, 4, 3] * 4  # the MLPs after it still stop the recompute early: 2 passes
+    # the GatedDeltaNet's layer is tiled whole: its checkpoint's recompute stops at the layer's input, so each
+    # tile runs in the forward and once more in the backward (in reverse), as the untiled layer runs twice
+    assert tiles == [4, 4, 3] + [3, 4, 4]
+    # every MLP twice too: the GatedDeltaNet layer's in its tiles, the attention layer's (forward, then backward)
+    assert mlp_calls == [4, 4, 3] + [4, 4, 3] * 2 + [3, 4, 4]
     _assert_tiled_step(got, expected, ref64, fla, rtol=2e-2, atol=2e-3)  # bf16 both sides
 
 
@@ -1082,15 +1086,26 @@ def test_the_tiled_gated_delta_net_terms_and_the_9b_at_half_a_million_tokens():
     untiled = lc.bytes_per_token(_tiny_config(), lora_rank=4, dtype_bytes=4, tiled_mlp_tokens=8, loss_chunk_bytes=0)
     tiled = lc.bytes_per_token(_tiny_config(), lora_rank=4, dtype_bytes=4, tiled_mlp_tokens=8, tiled_gdn_tokens=16,
                                loss_chunk_bytes=0)
-    # the carry a tile: state 4·16·16·4 = 4096, conv rows 3·128·4 = 1536; per token at 16 a tile: 352
+    # the carry a tile: state 4·16·16·4 = 4096, conv rows 3·128·4 = 1536; per token at 16 a tile: 352, held by
+    # every tiled layer (the tiny config's one GatedDeltaNet layer) from its forward to its backward
     assert lc._gdn_carry_bytes(d, 4) == 4096 + 1536
     common = 512 + 768 + 112  # checkpoints, residual grads, ids/labels/positions/RoPE (as above)
-    assert tiled.phases["GatedDeltaNet backward"] == common + 256 + 352 + 256 + 4  # input, carries, dx, rstd
-    assert tiled.phases["MLP backward (GatedDeltaNet layer)"] == common + 256 + 352 + 264 + 512
+    assert tiled.phases["GatedDeltaNet layer backward (tiled)"] == common + 352 + 256 + 256  # carries, input, dx
+    assert "GatedDeltaNet backward" not in tiled.phases and "MLP backward (GatedDeltaNet layer)" not in tiled.phases
     gdn_untiled = untiled.phases["GatedDeltaNet backward"] - common - 4  # the untiled GDN's per-token terms
-    # + the conv's input of a later tile, (16 + 3) rows of 128 channels in fp32
-    assert tiled.fixed["GatedDeltaNet: one tile's working set"] == 16 * gdn_untiled + 2 * (4096 + 1536) + 19 * 128 * 4
-    assert tiled.phases["attention backward"] == untiled.phases["attention backward"]
+    # + the norms' inputs and rstd, the MLP's untiled terms ((H + 3I + 3r)·e), two carries, and the conv's input
+    # of a later tile, (16 + 3) rows of 128 channels in fp32
+    mlp = (64 + 3 * 96 + 3 * 4) * 4
+    assert tiled.fixed["GatedDeltaNet layer: one tile's working set"] == (
+        16 * (gdn_untiled + 2 * (64 * 4 + 4) + mlp) + 2 * (4096 + 1536) + 19 * 128 * 4)
+    assert tiled.phases["attention backward"] == untiled.phases["attention backward"] + 352
+    # the GatedDeltaNet tiled alone (tiled_gdn before 2026-12-06, which the H200's and H100's rows measured)
+    alone = lc.bytes_per_token(_tiny_config(), lora_rank=4, dtype_bytes=4, tiled_mlp_tokens=8, tiled_gdn_tokens=16,
+                               loss_chunk_bytes=0, gdn_whole_layer=False)
+    assert alone.phases["GatedDeltaNet backward"] == common + 256 + 352 + 256 + 4  # input, its carries, dx, rstd
+    assert alone.phases["MLP backward (GatedDeltaNet layer)"] == common + 256 + 352 + 264 + 512
+    assert alone.fixed["GatedDeltaNet: one tile's working set"] == 16 * gdn_untiled + 2 * (4096 + 1536) + 19 * 128 * 4
+    assert alone.phases["attention backward"] == untiled.phases["attention backward"]
 
     from q35lab import e2e
 
@@ -1098,8 +1113,9 @@ def test_the_tiled_gated_delta_net_terms_and_the_9b_at_half_a_million_tokens():
     before = lc.bytes_per_token(config, tiled_mlp_tokens=8192, offload=True)
     after = lc.bytes_per_token(config, tiled_mlp_tokens=8192, tiled_gdn_tokens=8192, offload=True)
     assert before.phase == "GatedDeltaNet backward" and 212 * 1024 < before.per_token < 214 * 1024
-    # tiled, the GatedDeltaNet keeps 2·H·e + its carries a token (+ checkpoints, residual): attention is the peak
-    assert after.phases["GatedDeltaNet backward"] < 57 * 1024 and after.phase == "attention backward"
+    # tiled, the GatedDeltaNet's layer keeps 2·H·e a token (+ checkpoints, residual, every layer's carries):
+    # attention is the peak
+    assert after.phases["GatedDeltaNet layer backward (tiled)"] < 63 * 1024 and after.phase == "attention backward"
     assert after.longest_fit() > 1.3 * before.longest_fit()
     # half a million tokens on one H200 with 109 GiB of host memory for checkpoints: some layers kept on the GPU
     assert lc.plan_offload_layers(config, 512 * 1024, host_bytes=125 * GiB, tiled_mlp_tokens=8192) == (27, True)
@@ -1128,7 +1144,7 @@ def _fits(config, tokens, gpu_bytes, host_bytes, **settings):
 
 
 @pytest.mark.parametrize("tokens, gpu_gib", [(32768, 139), (300 * 1024, 139), (524288, 139), (524288, 125),
-                                             (589824, 139)])
+                                             (557056, 139)])
 def test_the_plan_takes_the_cheapest_options_that_fit_with_the_largest_tiles(tokens, gpu_gib):
     from q35lab import e2e
 
@@ -1269,3 +1285,102 @@ def test_the_options_are_off_unless_asked_for_and_the_patched_step_is_the_same_e
         assert (a.grad is None) == (b.grad is None), name
         if a.grad is not None:
             assert torch.equal(a.grad, b.grad), name
+
+
+def _padded_step(model, ids, mask):
+    model.zero_grad(set_to_none=True)
+    labels = ids.masked_fill(mask == 0, -100)
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _checkpoint_the_call(layer, *args, **kwargs):
+    """transformers 5.17's ``GradientCheckpointingLayer.__call__``: the checkpoint around the module call."""
+    if layer.gradient_checkpointing and layer.training:
+        return layer._gradient_checkpointing_func(functools.partial(torch.nn.Module.__call__, layer, **kwargs), *args)
+    return torch.nn.Module.__call__(layer, *args, **kwargs)
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+@pytest.mark.parametrize("checkpointed", ["forward", "__call__"])
+def test_the_tiled_gated_delta_net_layer_under_checkpointing_runs_each_tile_twice_with_a_padding_mask(
+        early_stop, checkpointed, monkeypatch):
+    """The whole GatedDeltaNet decoder layer in each tile, fp32, left padding, tiles not dividing T:
+    the untiled step's loss and gradients; each tile forward twice (once more with early stop off),
+    whether transformers checkpoints the layer's class forward (5.2x) or its call (5.17, simulated)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    if checkpointed == "__call__" and "__call__" not in vars(GradientCheckpointingLayer):
+        monkeypatch.setattr(GradientCheckpointingLayer, "__call__", _checkpoint_the_call, raising=False)
+    ids = torch.randint(0, 128, (2, 13), device=device())
+    mask = torch.ones(2, 13, dtype=torch.long, device=device())
+    mask[1, :4] = 0
+    reference = _model(targets="all-linear")
+    ref64 = _padded_step(_on_pytorch_core(copy.deepcopy(reference).double()), ids, mask)
+    q35lab.apply_to_qwen3_5(reference)
+    expected = _padded_step(reference, ids, mask)
+    model = _model(targets="all-linear")
+    q35lab.apply_to_qwen3_5(model, tiled_gdn=5)
+    layer = next(m for m in model.modules() if lc.is_gated_delta_net_layer(m))
+    assert isinstance(vars(layer)["forward"], lc.TiledGDNLayerForward)
+    tiles = _count_tiles(_gdn(model))
+    with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
+        got = _padded_step(model, ids, mask)
+    _assert_tiled_step(got, expected, ref64, _fla_runs(model), rtol=1e-4, atol=1e-6)
+    passes = [5, 5, 3] + ([] if early_stop else [5, 5, 3]) + [3, 5, 5]
+    assert tiles == passes
+
+
+def test_the_tiled_layer_holds_its_carries_and_the_offload_still_moves_one_tensor_a_layer():
+    ids = torch.randint(0, 128, (1, 12), device=device())
+    reference = _model(targets="all-linear")
+    q35lab.apply_to_qwen3_5(reference)
+    expected = _step(reference, ids)
+    model = _model(targets="all-linear")
+    report = q35lab.apply_to_qwen3_5(model, tiled_gdn=4, offload_checkpoints=1.0, tiled_mlp=4)
+    offloader = next(v.offloader for m in model.modules()
+                     for v in [vars(m).get("_gradient_checkpointing_func")] if isinstance(v, lc._OffloadedCheckpoint))
+    offloader.min_bytes = 0  # the tiny model's checkpoints are small
+    held = []
+    original = lc._TiledFunction.forward
+
+    def forward(ctx, tiles, x, *params):  # what the tiled layer keeps beside its input
+        out = original(ctx, tiles, x, *params)
+        held.append((tiles.hold_carries, tiles.carries is not None and len(tiles.carries), ctx.saved_tensors))
+        return out
+
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(lc._TiledFunction, "forward", staticmethod(forward))
+        got = _step(model, ids)
+    _assert_same(got, expected, rtol=1e-4, atol=1e-6)
+    layer_calls = [h for h in held if h[0]]
+    assert layer_calls and all(count == 3 for _, count, _ in layer_calls)  # 12 tokens, 3 tiles: 3 carries held
+    assert offloader.stats["offloaded"] == model.config.num_hidden_layers  # one [B, T, H] input a layer, no carry
+    assert "GatedDeltaNet and MLP tiled together" in str(report)
+
+
+def test_a_tiled_layer_reverts_copies_and_refuses_what_it_cannot_tile():
+    model = _model(targets="all-linear")
+    q35lab.apply_to_qwen3_5(model, tiled_gdn=4)
+    layer = next(m for m in model.modules() if lc.is_gated_delta_net_layer(m))
+    copied = copy.deepcopy(model)
+    copied_layer = next(m for m in copied.modules() if lc.is_gated_delta_net_layer(m))
+    assert vars(copied_layer)["forward"].module is copied_layer  # bound to the copy, not the original
+    ids = torch.randint(0, 128, (1, 9), device=device())
+    _assert_same(_step(copied, ids), _step(model, ids))
+    x = torch.randn(1, 6, TEXT["hidden_size"], device=device())
+    with pytest.raises(ValueError, match="cu_seq_lens_q: packed sequences are not tiled"):
+        lc.tiled_gated_delta_net_layer(layer, x, 2, cu_seq_lens_q=torch.tensor([0, 3, 6]))
+    with pytest.raises(ValueError, match=r"x: expected \[B, T, "):
+        lc.tiled_gated_delta_net_layer(layer, x[0], 2)
+    with pytest.raises(ValueError, match="attention_mask: expected a 2-D padding mask of shape"):
+        lc.tiled_gated_delta_net_layer(layer, x, 2, attention_mask=torch.ones(1, 5))
+    with pytest.raises(TypeError, match="layer: expected a transformers GatedDeltaNet decoder layer"):
+        lc.tile_gated_delta_net_layer(layer.mlp, 4)
+    attention_layer = next(m for m in model.modules() if lc._is_decoder_layer(m) and not lc.is_gated_delta_net_layer(m))
+    with pytest.raises(TypeError, match="layer: expected a transformers GatedDeltaNet decoder layer"):
+        lc.tiled_gated_delta_net_layer(attention_layer, x, 2)
+    report = q35lab.revert(model)
+    assert report.reverted["Qwen3_5DecoderLayer (tiled)"] == 1
+    assert "forward" not in vars(layer) and not lc.has_long_context_options(model)
