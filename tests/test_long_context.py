@@ -1384,3 +1384,21 @@ def test_a_tiled_layer_reverts_copies_and_refuses_what_it_cannot_tile():
     report = q35lab.revert(model)
     assert report.reverted["Qwen3_5DecoderLayer (tiled)"] == 1
     assert "forward" not in vars(layer) and not lc.has_long_context_options(model)
+
+
+def test_the_tiled_layers_recompute_leaves_its_mlps_down_gemm_out_and_keeps_every_gradient(monkeypatch):
+    """The layer tile's output comes as (residual, MLP output): its backward roots the MLP's part on the
+    down projection's output, left uncomputed in every tile, as a tiled MLP's recompute does."""
+    ids = torch.randint(0, 128, (1, 11), device=device())
+    reference = _model()
+    q35lab.apply_to_qwen3_5(reference)
+    expected = _step(reference, ids)
+    model = _model()
+    q35lab.apply_to_qwen3_5(model, tiled_gdn=4)
+    verdicts = []
+    real = lc.is_unread
+    monkeypatch.setattr(lc, "is_unread", lambda y, skipped: verdicts.append((len(skipped), real(y, skipped))) or
+                        verdicts[-1][1])
+    got = _step(model, ids)
+    assert verdicts == [(1, True)] * 3  # the GatedDeltaNet layer's 3 tiles, one skipped GEMM each, none redone
+    _assert_same(got, expected, rtol=1e-4, atol=1e-5)
