@@ -1402,3 +1402,19 @@ def test_the_tiled_layers_recompute_leaves_its_mlps_down_gemm_out_and_keeps_ever
     got = _step(model, ids)
     assert verdicts == [(1, True)] * 3  # the GatedDeltaNet layer's 3 tiles, one skipped GEMM each, none redone
     _assert_same(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_torch_compile_of_a_model_with_both_tiles_matches_eager():
+    """A model whose GatedDeltaNet layers and MLPs are tiled, compiled with inductor: the step is eager's."""
+    from tiny_models import loss_and_grads
+
+    model = _model(targets="all-linear")
+    q35lab.apply_to_qwen3_5(model, tiled_gdn=4, tiled_mlp=4)
+    ids = torch.randint(0, 128, (2, 9), device=device())
+    eager = loss_and_grads(model, ids)
+    torch._dynamo.reset()
+    loss, grads = loss_and_grads(model, ids, run=torch.compile(model, backend="inductor"))
+    torch.testing.assert_close(loss, eager[0], rtol=1e-5, atol=1e-6)
+    assert grads.keys() == eager[1].keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, eager[1][name], rtol=1e-4, atol=1e-5, msg=name)
