@@ -1418,3 +1418,21 @@ def test_torch_compile_of_a_model_with_both_tiles_matches_eager():
     assert grads.keys() == eager[1].keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grad, eager[1][name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_pickled_model_with_both_tiles_loads_tiled_and_trains_the_same():
+    import io
+
+    # without checkpointing: the input-grad hook transformers adds for it (enable_input_require_grads) is a
+    # local function, which pickle refuses, patched or not
+    model = _model(targets="all-linear", checkpointing=False)
+    q35lab.apply_to_qwen3_5(model, tiled_gdn=4, tiled_mlp=4)
+    ids = torch.randint(0, 128, (1, 9), device=device())
+    expected = _step_without_cache(model, ids)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    layer = next(m for m in loaded.modules() if lc.is_gated_delta_net_layer(m))
+    assert isinstance(vars(layer)["forward"], lc.TiledGDNLayerForward) and vars(layer)["forward"].module is layer
+    _assert_same(_step_without_cache(loaded, ids), expected)
