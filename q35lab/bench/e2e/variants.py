@@ -19,7 +19,7 @@ TILE_TOKENS = 8192
 PLAN_TOKENS = 512 * 1024
 LONG_CONTEXT = {
     "q35lab+tiled": "q35lab with the sequence-tiled MLP (tiles of 8192 tokens)",
-    "q35lab+tiled_gdn": "q35lab with the sequence-tiled GatedDeltaNet (tiles of 8192 tokens)",
+    "q35lab+tiled_gdn": "q35lab with the GatedDeltaNet decoder layers tiled along the sequence (tiles of 8192 tokens)",
     "q35lab+offload": "q35lab with decoder-layer checkpoints offloaded to host memory (as many layers as it holds)",
     "q35lab+long": "q35lab with all three: the tiled MLP, the tiled GatedDeltaNet (tiles of 8192 tokens) and the "
                    "checkpoint offload of the fewest layers the memory model says the step needs",
