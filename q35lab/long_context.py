@@ -249,7 +249,8 @@ class _TiledFunction(torch.autograd.Function):
 
     Forward (grad disabled): each tile's output is written into one ``[..., T, N]`` buffer; no
     tile's intermediates are kept, only the carries ``c_i`` entering each tile (saved tensors, so
-    that a gradient checkpoint around the caller drops and recomputes them like any other).
+    that a gradient checkpoint around the caller drops and recomputes them like any other; or
+    held, ``_Tiles.hold_carries``, so that it need not).
     Backward, tiles in reverse (a per-token map's in order: they are independent): the RNG state
     recorded before tile i's forward is restored, the tile is recomputed with grad under the
     forward's autocast state from ``x[..., s:e, :]`` and ``c_{i-1}`` (fresh leaves), and
