@@ -112,15 +112,10 @@ class _Tiles:
     returned — what the sequence carries across a tile boundary. ``y`` may come as a tuple of
     addends (a decoder layer's residual and its MLP's output): the forward writes their sum, and
     the backward roots each on the same gradient, so that the MLP's output can stay uncomputed
-    (``_recompute_tile``).
-
-    ``hold_carries``: the carries are kept here (``carries``), not saved for backward. Saved, a
-    gradient checkpoint around the caller recomputes them, which means running every tile's
-    forward again; held, the checkpoint's recompute can stop at the input (``_StashInput``), at
-    the price of the carries staying alive from forward to backward (2 MiB a tile at 9B)."""
+    (``_recompute_tile``)."""
 
     def __init__(self, fn, tile: int, preserve_rng_state: bool, device: torch.device, *, scan: bool = False,
-                 name: str = "mlp_forward", hold_carries: bool = False):
+                 name: str = "mlp_forward"):
         self.fn, self.tile, self.preserve_rng_state, self.scan, self.name = fn, tile, preserve_rng_state, scan, name
         self.device_type = device.type
         # the device whose RNG dropout draws from (none for a CPU input: the CPU state is always kept)
@@ -128,7 +123,6 @@ class _Tiles:
         self.autocast = _autocast_state(device.type)
         self.rng_states: list = []
         self.stash = None  # the _StashInput node that holds x, when there is one
-        self.hold_carries, self.carries = hold_carries, None
 
     def bounds(self, tokens: int):
         return [(start, min(start + self.tile, tokens)) for start in range(0, tokens, self.tile)]
@@ -249,8 +243,8 @@ class _TiledFunction(torch.autograd.Function):
 
     Forward (grad disabled): each tile's output is written into one ``[..., T, N]`` buffer; no
     tile's intermediates are kept, only the carries ``c_i`` entering each tile (saved tensors, so
-    that a gradient checkpoint around the caller drops and recomputes them like any other; or
-    held, ``_Tiles.hold_carries``, so that it need not).
+    that a gradient checkpoint around the caller drops and recomputes them like any other, unless
+    the call hides them from it: ``_tiled_call``).
     Backward, tiles in reverse (a per-token map's in order: they are independent): the RNG state
     recorded before tile i's forward is restored, the tile is recomputed with grad under the
     forward's autocast state from ``x[..., s:e, :]`` and ``c_{i-1}`` (fresh leaves), and
@@ -266,10 +260,7 @@ class _TiledFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tiles: _Tiles, x: torch.Tensor, *params: torch.Tensor):
         out, carries = _run_tiles(tiles, x, record_rng=tiles.preserve_rng_state)
-        if tiles.hold_carries:
-            tiles.carries, flat = carries, []
-        else:
-            flat, ctx.carry_sizes = _flatten_carries(carries)
+        flat, ctx.carry_sizes = _flatten_carries(carries)
         ctx.tiles = tiles
         ctx.params = params  # references, not saved tensors: no pack, no recompute of a parameter
         ctx.save_for_backward(*(() if tiles.stash is not None else (x,)), *flat)
@@ -312,7 +303,7 @@ def _tiled_backward(ctx, grad_out):
         (x,) = tiles.stash.saved_tensors
     else:
         x, saved = saved[0], saved[1:]
-    carries = tiles.carries if tiles.hold_carries else _unflatten_carries(saved, ctx.carry_sizes)
+    carries = _unflatten_carries(saved, ctx.carry_sizes)
     want_x = ctx.needs_input_grad[1]
     wanted = [i for i, p in enumerate(ctx.params) if ctx.needs_input_grad[2 + i]]
     dx = torch.empty_like(x) if want_x else None
@@ -469,16 +460,29 @@ def tiled_mlp(mlp_forward, x: torch.Tensor, tile_tokens: int, *, params=None,
     return _tiled_call(TiledMLPFunction, tiles, x, params, stash=True)
 
 
-def _tiled_call(function: type, tiles: _Tiles, x: torch.Tensor, params, stash: bool) -> torch.Tensor:
+def _tiled_call(function: type, tiles: _Tiles, x: torch.Tensor, params, stash: bool,
+                hide_saved: bool = False) -> torch.Tensor:
     """``function.apply(tiles, x, *params)`` where a backward will need it (``x`` saved first by its
-    own node if ``stash``: ``_StashInput``); without one, tile by tile without grad."""
+    own node if ``stash``: ``_StashInput``); without one, tile by tile without grad.
+
+    ``hide_saved``: what the node saves (the carries; ``x`` where it is not stashed) is packed as it
+    is, under saved-tensor hooks of its own, which a gradient checkpoint's or the offload's around
+    the caller do not see: the checkpoint's recompute then has nothing of the node's to rebuild and
+    stops at the stash, and the carries are freed when the node's backward has run."""
     if not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))):
         with torch.no_grad():
             return _run_tiles(tiles, x, record_rng=False, keep_carries=False)[0]
     if stash and x.requires_grad:
         x = _StashInput.apply(x)
         tiles.stash = x.grad_fn
-    return function.apply(tiles, x, *params)
+    if not hide_saved:
+        return function.apply(tiles, x, *params)
+    with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
+        return function.apply(tiles, x, *params)
+
+
+def _as_is(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 # ----------------------------------------------------------------------------------------------
@@ -756,7 +760,7 @@ class _GatedDeltaNetLayerTile:
 
 class TiledGDNLayerFunction(_TiledFunction):
     """The tiled GatedDeltaNet decoder layer's node: ``_TiledFunction`` of ``_GatedDeltaNetLayerTile``,
-    its carries held (``_Tiles.hold_carries``); ``tiled_gated_delta_net_layer``."""
+    its carries hidden from a checkpoint around it (``_tiled_call``); ``tiled_gated_delta_net_layer``."""
 
     @staticmethod
     @first_order_only
@@ -787,19 +791,22 @@ def tiled_gated_delta_net_layer(layer: torch.nn.Module, x: torch.Tensor, tile_to
     later ops save (the post-attention norm's and the MLP's inputs), which takes the
     GatedDeltaNet's output, which only a tile pass gives: three GatedDeltaNet forwards a step
     where the untiled layer runs two (measured +10.9% of the 9B step at 32k on the H200, 963ed32).
-    Tiled as a whole, the layer saves its input first (``_StashInput``) and holds its carries
-    (``_Tiles.hold_carries``), so the checkpoint's recompute stops at the input: forward 1 (tiles,
-    no grad), recompute 0, backward 1 forward (without the MLP's down GEMM, ``_recompute_tile``)
-    and 1 backward per tile in reverse — the untiled checkpointed layer's passes. The carries, the
-    fp32 delta-rule state and the conv's last K−1 input rows (2.05 MiB a tile at 9B), stay alive
-    from the forward to the layer's backward: 24 layers × T / tile of them.
+    Tiled as a whole, the layer saves its input first (``_StashInput``) and hides its carries from
+    the checkpoint (``_tiled_call``'s ``hide_saved``), so the checkpoint's recompute stops at the
+    input: forward 1 (tiles, no grad), recompute 0, backward 1 forward (without the MLP's down
+    GEMM, ``_recompute_tile``) and 1 backward per tile in reverse — the untiled checkpointed layer's
+    passes. The carries, the fp32 delta-rule state and the conv's last K−1 input rows (2.05 MiB a
+    tile at 9B), stay alive from the forward to the layer's backward: 24 layers × T / tile of them.
+    An input that does not require grad (no stash) is kept by the node too, on the GPU even when
+    the layer's checkpoint is offloaded.
 
     ``layer``: a decoder layer ``is_gated_delta_net_layer`` accepts, patched by q35lab or not;
     ``attention_mask``: the 2-D padding mask; ``kwargs``: the rest the layer would hand its
     GatedDeltaNet. Packed sequences are refused (``ValueError``); ``tile_tokens`` ≥ T runs the
     tile function once, with grad; nothing requiring grad: tile by tile without grad. Dropout, RNG,
     autocast, frozen or trainable parameters, ``retain_graph`` and the second derivative's error:
-    as ``tiled_mlp``."""
+    as ``tiled_mlp``. Hooks on the layer's GatedDeltaNet or MLP are not called (its forward,
+    ``TiledGDNLayerForward``, runs such a layer untiled)."""
     if not isinstance(layer, torch.nn.Module) or not is_gated_delta_net_layer(layer):
         raise TypeError(f"layer: expected a transformers GatedDeltaNet decoder layer with a per-token MLP, "
                         f"got {type(layer).__name__}")
@@ -812,9 +819,8 @@ def tiled_gated_delta_net_layer(layer: torch.nn.Module, x: torch.Tensor, tile_to
     if tile >= tokens or tokens == 0:
         return functools.reduce(torch.add, step(x, None, (0, tokens))[0])
     params = tuple(p for p in layer.parameters() if p.requires_grad)
-    tiles = _Tiles(step, tile, bool(preserve_rng_state), x.device, scan=True, name="GatedDeltaNet layer tile",
-                   hold_carries=True)
-    return _tiled_call(TiledGDNLayerFunction, tiles, x, params, stash=True)
+    tiles = _Tiles(step, tile, bool(preserve_rng_state), x.device, scan=True, name="GatedDeltaNet layer tile")
+    return _tiled_call(TiledGDNLayerFunction, tiles, x, params, stash=True, hide_saved=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -910,7 +916,9 @@ def _checkpoints_the_call() -> bool:
 class TiledGDNLayerForward(_TiledForward):
     """A GatedDeltaNet decoder layer's forward through ``tiled_gated_delta_net_layer`` when it
     trains on more than a tile; otherwise the wrapped forward, whose GatedDeltaNet (tiled by
-    ``TiledGDNForward`` where it can be) says why it runs untiled."""
+    ``TiledGDNForward`` where it can be) says why it runs untiled. Also the wrapped forward: a
+    layer whose GatedDeltaNet or MLP has hooks (or a global module hook is set), and one whose
+    forward was wrapped before (accelerate's hooks)."""
 
     #: the layer's own arguments, which its GatedDeltaNet does not take
     LAYER_ARGUMENTS = ("hidden_states", "attention_mask", "position_embeddings", "position_ids", *_CACHE_ARGUMENTS)
@@ -935,9 +943,15 @@ class TiledGDNLayerForward(_TiledForward):
         if not torch.is_grad_enabled() or not (x.requires_grad
                                                or any(p.requires_grad for p in self.module.parameters())):
             return True
-        gdn = self.module.linear_attn
-        return (_has_cache(kwargs) or _packed(kwargs) is not None or getattr(gdn.conv1d, "_hf_hook", None) is not None
-                or gated_delta_net_problem(gdn) is not None)
+        from .patch import _hooks_would_see
+
+        layer = self.module
+        gdn = layer.linear_attn
+        return (_has_cache(kwargs) or _packed(kwargs) is not None or gated_delta_net_problem(gdn) is not None
+                # hooks the tiles would not call (or would call per tile, on an uncomputed down output), and a
+                # forward wrapped before the tiling (accelerate's device placement): the layer as it is
+                or _hooks_would_see(gdn, layer.mlp) or self.inner is not None
+                or any(getattr(m, "_hf_hook", None) is not None for m in (layer, gdn.conv1d)))
 
 
 def _tile(module: torch.nn.Module, tile_tokens: int, forward_class: type) -> bool:

@@ -1332,7 +1332,12 @@ def test_the_tiled_gated_delta_net_layer_under_checkpointing_runs_each_tile_twic
     assert tiles == passes
 
 
-def test_the_tiled_layer_holds_its_carries_and_the_offload_still_moves_one_tensor_a_layer():
+def test_the_tiled_layers_carries_are_hidden_from_the_offload_and_freed_by_its_backward():
+    """The carries are the node's saved tensors, packed as they are: the offload moves one tensor a layer
+    (its checkpoint input), and the carries are gone once the layer's backward has run, the loss still alive."""
+    import gc
+    import weakref
+
     ids = torch.randint(0, 128, (1, 12), device=device())
     reference = _model(targets="all-linear")
     q35lab.apply_to_qwen3_5(reference)
@@ -1342,22 +1347,41 @@ def test_the_tiled_layer_holds_its_carries_and_the_offload_still_moves_one_tenso
     offloader = next(v.offloader for m in model.modules()
                      for v in [vars(m).get("_gradient_checkpointing_func")] if isinstance(v, lc._OffloadedCheckpoint))
     offloader.min_bytes = 0  # the tiny model's checkpoints are small
-    held = []
-    original = lc._TiledFunction.forward
+    carries = []
+    original = lc._run_tiles
 
-    def forward(ctx, tiles, x, *params):  # what the tiled layer keeps beside its input
-        out = original(ctx, tiles, x, *params)
-        held.append((tiles.hold_carries, tiles.carries is not None and len(tiles.carries), ctx.saved_tensors))
-        return out
+    def run_tiles(tiles, x, record_rng, keep_carries=True):  # weak references to the carries the layer saves
+        out, kept = original(tiles, x, record_rng, keep_carries)
+        if tiles.name == "GatedDeltaNet layer tile" and keep_carries:
+            carries.extend(weakref.ref(t) for carry in kept if carry is not None for t in carry)
+        return out, kept
 
     with pytest.MonkeyPatch.context() as patched:
-        patched.setattr(lc._TiledFunction, "forward", staticmethod(forward))
-        got = _step(model, ids)
+        patched.setattr(lc, "_run_tiles", run_tiles)
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        assert len(carries) == 2 * 2 and all(ref() is not None for ref in carries)  # tiles 2 and 3: (conv rows, S)
+        loss.backward()
+        gc.collect()
+        assert all(ref() is None for ref in carries)  # freed by the backward, though `loss` lives on
+    got = loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     _assert_same(got, expected, rtol=1e-4, atol=1e-6)
-    layer_calls = [h for h in held if h[0]]
-    assert layer_calls and all(count == 3 for _, count, _ in layer_calls)  # 12 tokens, 3 tiles: 3 carries held
     assert offloader.stats["offloaded"] == model.config.num_hidden_layers  # one [B, T, H] input a layer, no carry
     assert "GatedDeltaNet and MLP tiled together" in str(report)
+
+
+def test_hooks_on_the_layers_gated_delta_net_or_mlp_run_the_layer_untiled_and_see_every_call():
+    ids = torch.randint(0, 128, (1, 12), device=device())
+    for part in ("linear_attn", "mlp"):
+        model = _model(targets="all-linear")
+        q35lab.apply_to_qwen3_5(model, tiled_gdn=4)
+        layer = next(m for m in model.modules() if lc.is_gated_delta_net_layer(m))
+        seen = []
+        getattr(layer, part).register_forward_hook(lambda module, args, out: seen.append(out.shape[1]))
+        tiles = _count_tiles(_gdn(model))
+        _step(model, ids)
+        assert seen and all(tokens == 12 for tokens in seen), (part, seen)  # whole calls, never a tile's
+        assert tiles == [4, 4, 4] * 2 + [4, 4, 4], (part, tiles)  # the GatedDeltaNet tiled alone: three passes
 
 
 def test_a_tiled_layer_reverts_copies_and_refuses_what_it_cannot_tile():
@@ -1413,11 +1437,7 @@ def test_torch_compile_of_a_model_with_both_tiles_matches_eager():
     ids = torch.randint(0, 128, (2, 9), device=device())
     eager = loss_and_grads(model, ids)
     torch._dynamo.reset()
-    loss, grads = loss_and_grads(model, ids, run=torch.compile(model, backend="inductor"))
-    torch.testing.assert_close(loss, eager[0], rtol=1e-5, atol=1e-6)
-    assert grads.keys() == eager[1].keys()
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, eager[1][name], rtol=1e-4, atol=1e-5, msg=name)
+    _assert_same(loss_and_grads(model, ids, run=torch.compile(model, backend="inductor")), eager, rtol=1e-4, atol=1e-5)
 
 
 def test_a_pickled_model_with_both_tiles_loads_tiled_and_trains_the_same():
@@ -1429,10 +1449,31 @@ def test_a_pickled_model_with_both_tiles_loads_tiled_and_trains_the_same():
     q35lab.apply_to_qwen3_5(model, tiled_gdn=4, tiled_mlp=4)
     ids = torch.randint(0, 128, (1, 9), device=device())
     expected = _step_without_cache(model, ids)
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
+    saved = io.BytesIO()
+    torch.save(model, saved)
+    loaded = torch.load(io.BytesIO(saved.getvalue()), weights_only=False)
     layer = next(m for m in loaded.modules() if lc.is_gated_delta_net_layer(m))
     assert isinstance(vars(layer)["forward"], lc.TiledGDNLayerForward) and vars(layer)["forward"].module is layer
     _assert_same(_step_without_cache(loaded, ids), expected)
+
+
+def test_a_tiled_layer_whose_input_needs_no_grad_still_runs_each_tile_twice_under_a_checkpoint():
+    """QLoRA's first layer without enable_input_require_grads: no stash, the input kept by the node (hidden
+    from the checkpoint with the carries), so the checkpoint's recompute still has nothing to run."""
+    model = _model(targets="all-linear")
+    q35lab.apply_to_qwen3_5(model)
+    layer = next(m for m in model.modules() if lc.is_gated_delta_net_layer(m))
+    x = torch.randn(1, 12, TEXT["hidden_size"], device=device())  # requires no grad
+    w = torch.randn(1, 12, TEXT["hidden_size"], device=device())
+    params = [p for p in layer.parameters() if p.requires_grad]
+
+    def grads(run):
+        out = torch.utils.checkpoint.checkpoint(run, x, use_reentrant=False)
+        return torch.autograd.grad((out * w).sum(), params)
+
+    expected = grads(lambda x_: lc.tiled_gated_delta_net_layer(layer, x_, 12))  # one tile: the layer's own math
+    tiles = _count_tiles(layer.linear_attn)
+    got = grads(lambda x_: lc.tiled_gated_delta_net_layer(layer, x_, 5))
+    assert tiles == [5, 5, 2] + [2, 5, 5]
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
