@@ -850,6 +850,17 @@ class _TiledForward:
     def __repr__(self) -> str:
         return f"<q35lab {type(self).__name__} of {type(self.module).__name__}, {self.tile_tokens} tokens a tile>"
 
+    def nothing_to_tile(self, x, args: tuple) -> str | None:
+        """Why a call of a sequence module (``x`` [B, T, H], its only positional argument) has
+        nothing to tile, or None: another call signature, one tile's tokens, or no backward to come."""
+        if len(args) > 1 or not isinstance(x, torch.Tensor) or x.dim() != 3:
+            return "a call the tiles do not take"
+        if x.shape[1] <= self.tile_tokens:
+            return "one tile"
+        if not torch.is_grad_enabled() or not (x.requires_grad or any(p.requires_grad for p in self.module.parameters())):
+            return "no grad"
+        return None
+
     def untiled(self, *args, **kwargs):
         if self.inner is not None:
             return self.inner(*args, **kwargs)
@@ -885,12 +896,9 @@ class TiledGDNForward(_TiledForward):
                                      **rest)
 
     def _untiled_because(self, x, args: tuple, kwargs: dict) -> str | None:
-        if len(args) > 1 or not isinstance(x, torch.Tensor) or x.dim() != 3:
-            return "a call tiled_gated_delta_net does not take"
-        if x.shape[1] <= self.tile_tokens:
-            return "one tile"
-        if not torch.is_grad_enabled() or not (x.requires_grad or any(p.requires_grad for p in self.module.parameters())):
-            return "no grad"
+        nothing_to_tile = self.nothing_to_tile(x, args)
+        if nothing_to_tile:
+            return nothing_to_tile
         if getattr(self.module.conv1d, "_hf_hook", None) is not None:
             return "accelerate hooks"
         why, packed = None, _packed(kwargs)
@@ -938,10 +946,7 @@ class TiledGDNLayerForward(_TiledForward):
         return tiled(x)
 
     def _untiled(self, x, args: tuple, kwargs: dict) -> bool:
-        if len(args) > 1 or not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[1] <= self.tile_tokens:
-            return True
-        if not torch.is_grad_enabled() or not (x.requires_grad
-                                               or any(p.requires_grad for p in self.module.parameters())):
+        if self.nothing_to_tile(x, args):
             return True
         from .patch import _hooks_would_see
 
@@ -1829,9 +1834,11 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
     }
     gdn_tile = None if tiled_gdn_tokens is None else _check_tile_tokens(tiled_gdn_tokens, "tiled_gdn_tokens")
     gdn_layers = d.layer_types.count("linear_attention")
-    if gdn_tile is not None and gdn_layers and gdn_whole_layer:  # held from each layer's forward to its backward
-        common[f"GDN layers: carries held into each tile ({gdn_layers} layers)"] = (
+    carries = {}  # held from each tiled layer's forward to its backward: alive in every phase
+    if gdn_tile is not None and gdn_layers and gdn_whole_layer:
+        carries[f"GDN layers: carries held into each tile ({gdn_layers} layers)"] = (
             gdn_layers * _gdn_carry_bytes(d, e) / gdn_tile)
+    common.update(carries)
     phases = {name: {**common, **terms} for name, terms in
               _phase_terms(d, e, r, tiled=tiled_mlp_tokens is not None, gdn_tile=gdn_tile,
                            mlp_keeps_h=mlp_keeps_h, gdn_whole_layer=gdn_whole_layer).items()}
@@ -1840,7 +1847,7 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
         "final norm: input, output": 2 * d.H * e,
         "fused loss: dx (computed in forward)": d.H * e,
         "token ids, labels, positions, RoPE": common["token ids, labels, positions, RoPE"],
-        **{name: value for name, value in common.items() if name.startswith("GDN layers: carries")},
+        **carries,
     }
     totals = {name: sum(terms.values()) for name, terms in phases.items()}
     phase = max(totals, key=totals.get)
@@ -1855,19 +1862,21 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
     }
     if other_trainable_parameters:
         fixed["other trainable parameters: gradients + AdamW moments"] = other_trainable_parameters * (weight_bytes + 8)
+    # a tile's input, gate/up output and dh (h rebuilt in it): the untiled MLP's terms, per token
+    mlp_tile_terms = (d.H + (4 if mlp_keeps_h else 3) * d.I) * e
     if tiled_mlp_tokens is not None:
-        # a tile's input, gate/up output and dh (h rebuilt in it): the untiled MLP's terms, a tile of them
         fixed["MLP: one tile's working set"] = (_check_tile_tokens(tiled_mlp_tokens, "tiled_mlp_tokens") * batch
-                                                * (d.H + (4 if mlp_keeps_h else 3) * d.I) * e)
+                                                * mlp_tile_terms)
     if gdn_tile is not None and "linear_attention" in d.layer_types:
         saved, backward = _gdn_terms(d, e, r)
         # the GatedDeltaNet's terms, saved and backward, the norms' inputs, the MLP's terms untiled, two carries
         # (the one handed on and its gradient), and the conv's input for a tile after the first: the carried
         # K−1 rows and the tile's, one new buffer
-        layer_terms = 2 * (d.H * e + 4) + (d.H + (4 if mlp_keeps_h else 3) * d.I + 3 * r) * e if gdn_whole_layer else 0
+        layer_terms = 2 * (d.H * e + 4) + mlp_tile_terms + 3 * r * e if gdn_whole_layer else 0  # + the MLP's LoRA
         name = "GatedDeltaNet layer" if gdn_whole_layer else "GatedDeltaNet"
-        fixed[f"{name}: one tile's working set"] = batch * (gdn_tile * (sum(saved.values()) + sum(backward.values()) + layer_terms)
-                               + 2 * _gdn_carry_bytes(d, e) + (gdn_tile + d.conv_kernel - 1) * d.conv_dim * e)
+        fixed[f"{name}: one tile's working set"] = batch * (
+            gdn_tile * (sum(saved.values()) + sum(backward.values()) + layer_terms)
+            + 2 * _gdn_carry_bytes(d, e) + (gdn_tile + d.conv_kernel - 1) * d.conv_dim * e)
     terms = {name: value * batch for name, value in phases[phase].items()}
     return MemoryModel(terms=terms, phase=phase, phases={n: t * batch for n, t in totals.items()}, fixed=fixed,
                        host_per_token=k * d.H * e * batch, offloaded_layers=k, layers=d.L)
