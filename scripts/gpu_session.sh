@@ -46,7 +46,7 @@
 # The device's copy of the tree is current but its git metadata can be stale: on 2026-12-01 its
 # git said 5830af9+dirty for a tree that was 358bb36.
 set -uo pipefail
-[[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|ops_new|step|peers|peers_at|ablation|sizes9b|floors|big35|big27|packed|padded|current_tf|flex|long_cost|long_fit|long|fsdp|unsloth|notebooks ..."; exit 2; }
+[[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|ops_new|step|peers|peers_at|ablation|sizes9b|floors|big35|big27|packed|padded|current_tf|flex|long_cost|tiled_profile|long_fit|long|fsdp|unsloth|notebooks ..."; exit 2; }
 [[ -n ${Q35LAB_COMMIT:-} ]] || echo "warning: Q35LAB_COMMIT is not set: the rows take the device's git metadata, which can be stale"
 bench=data/bench/$(python3 -c "from q35lab.bench import core; print(core.gpu_slug())")  # as gpu_run.sh names it
 csv=$bench/end_to_end.csv
@@ -152,12 +152,20 @@ case $stage in
       beside_own_call long_context.csv 180 $v 32768 --size 9b --steps 3
     done
     ;;
+  tiled_profile)  # where the whole-layer tiled GatedDeltaNet's cost at 32k goes (+3.8% on the H100, ffbcd4d): the
+    # 9B's dimensions with 4 layers (3 GatedDeltaNet layers), q35lab and q35lab+tiled_gdn, each step profiled by kernel
+    # category (--breakdown, step_breakdown.csv) in tiled_profile.csv, a minute each with fla's tuning seeded
+    for v in q35lab q35lab+tiled_gdn; do
+      E2E_OUT=tiled_profile.csv e2e 120 $v 32768 --size h200 --layers 4 --steps 5 --breakdown
+    done
+    ;;
   long_fit)  # the longest 9B step of each variant, searched (e2e's --fit): 32k and 64k, then the line through their
     # peaks guesses the limit, the search steps 3% up from a fit and down from an out of memory in doubling strides (long_fit.csv).
     # LONG_FIT="VARIANT:MAX[:SECONDS[:FROM]] ...": MAX is what an offloading variant plans its host memory for (the
     # longest tried); SECONDS the run's limit (default 240); FROM the first guess after 32k and 64k (default: the line's).
     # A step near 450k tokens is ~4 min on an H100, and each new length adds fla's autotuning (~25 s at 143k): carry
-    # the last call's triton-autotune/ as .triton-autotune
+    # the last call's triton-autotune/ as .triton-autotune. The rows name the caching allocator's settings
+    # (PYTORCH_CUDA_ALLOC_CONF, inherited: expandable_segments:True lets a step use memory that fragmentation strands)
     [[ -n ${LONG_FIT:-} ]] || { echo "long_fit: set LONG_FIT (VARIANT:MAX[:SECONDS[:FROM]] ...)"; exit 2; }
     for spec in $LONG_FIT; do
       IFS=: read -r v max limit from <<< "$spec"

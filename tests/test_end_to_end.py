@@ -794,16 +794,19 @@ def test_the_breakdown_groups_device_time_by_category_and_names_the_launching_co
     assert coarse["attention"] == {} and len(coarse["delta rule"]) == 2  # 4% is below the threshold, 15% above
 
 
-def test_breakdown_writes_one_row_per_category_beside_the_floor(tmp_path):
+def test_breakdown_writes_one_row_per_category_beside_the_floor(tmp_path, monkeypatch):
     """The CLI's --breakdown on the CPU: one more step profiled (aten ops stand in for kernels),
-    the floor's rates measured (no ceilings without a GPU), rows beside end_to_end.csv."""
+    the floor's rates measured (no ceilings without a GPU), rows beside end_to_end.csv; the step's
+    row names the caching allocator's settings the process ran with."""
     out = tmp_path / "end_to_end.csv"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     assert e2e.main(["--variants", "peft", "--size", "tiny", "--T", "16", "--steps", "1", "--warmup", "0", "--breakdown",
                      "--out", str(out)]) == 0
     import pandas as pd
 
     steps, categories = pd.read_csv(out), pd.read_csv(tmp_path / "step_breakdown.csv")
     assert {"step_ms", "core_ms", "peak_gib", "device_ms", "floor_ms"} <= set(steps.columns), steps.note.tolist()
+    assert steps.allocator.tolist() == ["expandable_segments:True"]
     assert list(categories.category) == ["GEMM", "attention", "delta rule", "conv", "q35lab kernels", "copies/casts",
                                          "other elementwise"]
     assert (categories[["variant", "T", "size", "layers"]].drop_duplicates().values.tolist() == [["peft", 16, "tiny", 4]])

@@ -30,6 +30,7 @@ import faulthandler
 import gc
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -203,7 +204,10 @@ def _one_variant(args) -> None:
         model, report, missing = None, None, f"not installed: {exc.name or exc}"
     import transformers
 
-    info = {**run_info(), "transformers": transformers.__version__}  # a step's rows name the transformers that ran
+    # a step's rows name the transformers that ran and the CUDA caching allocator's settings: expandable segments
+    # change where a long step runs out of memory (fragmentation), so a search's rows must say which allocator ran
+    info = {**run_info(), "transformers": transformers.__version__,
+            "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "default"}
     seen = {}  # T -> (status, peak bytes): what the --fit search reads
     budget = _step_budget(device) if args.fit else None
     for T in _sizes(args, seen, budget):
