@@ -37,6 +37,7 @@ import functools
 import inspect
 import math
 import numbers
+import os
 import sys
 import warnings
 import weakref
@@ -88,6 +89,7 @@ __all__ = [
     "plan_offload_layers",
     "plan_long_context",
     "LongContextPlan",
+    "expandable_segments",
     "PLAN_TILES",
     "usable_gpu_bytes",
     "has_long_context_options",
@@ -1920,6 +1922,7 @@ class LongContextPlan:
     model: MemoryModel
     gpu_bytes: float
     host_known: bool = True
+    expandable_segments: bool = False  # the CUDA caching allocator's setting when the plan was made
 
     def options(self) -> dict:
         """The plan as ``apply_to_qwen3_5``'s long-context keyword arguments."""
@@ -1934,9 +1937,22 @@ class LongContextPlan:
         chosen = "; ".join(c for c in chosen if c) or nothing
         verdict = "fits" if self.fits else "does not fit even so"
         host = f"{self.tokens * self.model.host_per_token / GiB:.1f} GiB" if self.host_known else "none (unknown)"
+        advice = ""
+        if (self.offload_layers or self.tiled_mlp or self.tiled_gdn) and not self.expandable_segments:
+            # measured: the H100's all-three search ran out at 389,120 tokens asking 11.90 GiB with 55.58 GiB
+            # allocated of 78.14 usable, 11.00 GiB reserved but unallocated in smaller blocks (ffbcd4d)
+            advice = ("; the allocator's fragmentation may end such a step below the prediction: set "
+                      "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before CUDA starts")
         return (f"planned for {self.tokens:,} tokens: {chosen}; predicted peak "
                 f"{self.model.peak(self.tokens) / GiB:.1f} of {self.gpu_bytes / GiB:.1f} GiB ({verdict}); "
-                f"host memory for checkpoints: {host}")
+                f"host memory for checkpoints: {host}{advice}")
+
+
+def expandable_segments() -> bool:
+    """Whether ``PYTORCH_CUDA_ALLOC_CONF`` turns on the CUDA caching allocator's expandable segments,
+    which map freed blocks into one range instead of stranding them (fragmentation)."""
+    settings = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+    return "expandable_segments:true" in settings.split(",")
 
 
 def plan_long_context(config, tokens: int, *, gpu_bytes: float = H200_USABLE_BYTES, host_bytes: float | None = None,
@@ -1947,8 +1963,8 @@ def plan_long_context(config, tokens: int, *, gpu_bytes: float = H200_USABLE_BYT
     The options are added in the order of what each cost a 9B step at 32k on the H200 (963ed32):
     the checkpoint offload (+0.07%: copies on a side stream) with the fewest layers that fit, then
     the tiled MLP (+1.1%: its recompute skips the down GEMM), then the tiled GatedDeltaNet as
-    well, at one tile size for both (+10.9%: under layer checkpointing it runs one GatedDeltaNet
-    forward more). The tile is the largest of ``PLAN_TILES`` shorter than ``tokens`` that fits: a
+    well, at one tile size for both (+10.9% when it ran one GatedDeltaNet forward more; tiled with
+    its whole decoder layer, +3.8% on an H100, ffbcd4d). The tile is the largest of ``PLAN_TILES`` shorter than ``tokens`` that fits: a
     tile costs the same recompute whatever its size, and larger tiles are fewer launches. (At
     Qwen3.5's own sizes the GatedDeltaNet's backward is the peak, so the MLP alone never helps and
     a plan that tiles tiles both.) A step that fits as it is gets nothing. Where nothing fits, the
@@ -1981,7 +1997,7 @@ def plan_long_context(config, tokens: int, *, gpu_bytes: float = H200_USABLE_BYT
     model = bytes_per_token(config, offload=layers, **settings, **model_settings)
     return LongContextPlan(tokens=tokens, tiled_mlp=settings.get("tiled_mlp_tokens"),
                            tiled_gdn=settings.get("tiled_gdn_tokens"), offload_layers=layers, fits=fits, model=model,
-                           gpu_bytes=gpu_bytes, host_known=host_known)
+                           gpu_bytes=gpu_bytes, host_known=host_known, expandable_segments=expandable_segments())
 
 
 def _memory_bytes(value: object, name: str) -> float:

@@ -1196,6 +1196,24 @@ def test_the_plan_at_32k_is_nothing_and_beyond_the_host_the_most_frugal_plan_doe
         lc.plan_long_context(config, 1.5)
 
 
+@pytest.mark.parametrize("setting, expandable", [(None, False), ("expandable_segments:True", True),
+                                                 ("max_split_size_mb:512, expandable_segments:true", True),
+                                                 ("expandable_segments:False", False)])
+def test_a_plan_that_tiles_or_offloads_advises_expandable_segments_unless_they_are_on(monkeypatch, setting, expandable):
+    from q35lab import e2e
+
+    if setting is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", setting)
+    config, GiB = e2e.config("9b"), 2**30
+    assert lc.expandable_segments() is expandable
+    long, short = (_plan(config, tokens, host_bytes=125 * GiB) for tokens in (524288, 32768))
+    assert long.expandable_segments is expandable and long.offload_layers > 0
+    assert ("expandable_segments:True before CUDA starts" in str(long)) is not expandable
+    assert "expandable" not in str(short)  # a step that fits as it is needs no advice
+
+
 def test_apply_to_qwen3_5_long_context_plans_the_options_says_so_and_refuses_them_twice(monkeypatch):
     config = _model().config
     tokens, rank = 2**20, 4
