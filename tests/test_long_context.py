@@ -883,13 +883,19 @@ def _step_without_cache(model, ids):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_a_patched_model_with_every_long_context_option_under_checkpointing_and_bf16_autocast():
-    # Both delta-rule cores chunk 64 tokens and round the recurrent state to bf16 at each chunk boundary
-    # under autocast (transformers' PyTorch core multiplies it into the chunk in bf16; fla stores it so).
-    # Tiles of 64 put the tiles' boundaries on the chunks' own, so the untiled step, with the same core,
-    # rounds where the tiled one does: it is the reference, whichever core is installed. (Tiles of 4 on 11
-    # tokens added two roundings the one-chunk untiled step lacks: 3x its loss error on fla, H100, ffbcd4d.)
-    tile, T = 64, 150  # three tiles, the last short
+def test_a_patched_model_with_every_long_context_option_under_checkpointing_and_bf16_autocast(monkeypatch):
+    # Both delta-rule cores round the recurrent state to bf16 at each chunk boundary under autocast
+    # (transformers' PyTorch core multiplies it into the chunk in bf16; fla stores it so). Tiles on the
+    # chunks' boundaries make the untiled step, with the same core, round where the tiled one does: it is
+    # the reference. fla chunks 64 tokens: tiles of 64 on 150 tokens; the PyTorch core is chunked as the
+    # tiles, 4 on 11 tokens (a tenth of the interpreter's time). (Tiles of 4 on fla added two roundings the
+    # one-chunk untiled step lacks: 3x its loss error, H100, ffbcd4d.)
+    probe = _model(checkpointing=False)
+    modeling, fla = sys.modules[type(_gdn(probe)).__module__], _fla_runs(probe)
+    tile, T = (64, 150) if fla else (4, 11)  # three tiles, the last short
+    if not fla:
+        core = modeling.torch_chunk_gated_delta_rule
+        monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", functools.partial(inspect.unwrap(core), chunk_size=tile))
     ids = torch.randint(0, 128, (1, T), device=device())
     reference = _model(targets="all-linear")
     ref64 = _step(_on_pytorch_core(copy.deepcopy(reference).double()), ids)
@@ -904,7 +910,7 @@ def test_a_patched_model_with_every_long_context_option_under_checkpointing_and_
     got = _step(model, ids, autocast=True)
     # the GatedDeltaNet's layer is tiled whole: its checkpoint's recompute stops at the layer's input, so each
     # tile runs in the forward and once more in the backward (in reverse), as the untiled layer runs twice
-    sizes = [64, 64, 22]
+    sizes = [tile, tile, T - 2 * tile]
     assert tiles == sizes + sizes[::-1]
     # every MLP twice too: the GatedDeltaNet layer's in its tiles, the attention layer's (forward, then backward)
     assert mlp_calls == sizes + sizes * 2 + sizes[::-1]
