@@ -185,8 +185,7 @@ def _run_tiles(tiles: _Tiles, x: torch.Tensor, record_rng: bool, keep_carries: b
             carries.append(carry)
         piece = x[..., start:end, :]
         y, carry = tiles.step(piece, carry, (start, end))
-        if isinstance(y, tuple):  # addends
-            y = functools.reduce(torch.add, y)
+        y = _summed(y)
         if not isinstance(y, torch.Tensor) or y.dim() != piece.dim() or y.shape[:-1] != piece.shape[:-1]:
             got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
             raise ValueError(f"{tiles.name}: expected a tensor of shape {tuple(piece.shape[:-1])} + (N,) for a tile "
@@ -271,6 +270,11 @@ class _TiledFunction(torch.autograd.Function):
 
 def _addends(y) -> tuple:
     return y if isinstance(y, tuple) else (y,)
+
+
+def _summed(y):
+    """A tile's output: ``y``, or the sum of its addends."""
+    return functools.reduce(torch.add, _addends(y))
 
 
 def _recompute_tile(tiles: _Tiles, piece: torch.Tensor, carry_in, span: tuple[int, int], index: int):
@@ -779,6 +783,12 @@ def is_gated_delta_net_layer(module: torch.nn.Module) -> bool:
                     for n in ("input_layernorm", "post_attention_layernorm")))
 
 
+def _check_gated_delta_net_layer(layer) -> None:
+    if not isinstance(layer, torch.nn.Module) or not is_gated_delta_net_layer(layer):
+        raise TypeError(f"layer: expected a transformers GatedDeltaNet decoder layer with a per-token MLP, "
+                        f"got {type(layer).__name__}")
+
+
 @opaque_to_compile  # as tiled_gated_delta_net
 def tiled_gated_delta_net_layer(layer: torch.nn.Module, x: torch.Tensor, tile_tokens: int, *,
                                 attention_mask: torch.Tensor | None = None, preserve_rng_state: bool = True,
@@ -809,9 +819,7 @@ def tiled_gated_delta_net_layer(layer: torch.nn.Module, x: torch.Tensor, tile_to
     autocast, frozen or trainable parameters, ``retain_graph`` and the second derivative's error:
     as ``tiled_mlp``. Hooks on the layer's GatedDeltaNet or MLP are not called (its forward,
     ``TiledGDNLayerForward``, runs such a layer untiled)."""
-    if not isinstance(layer, torch.nn.Module) or not is_gated_delta_net_layer(layer):
-        raise TypeError(f"layer: expected a transformers GatedDeltaNet decoder layer with a per-token MLP, "
-                        f"got {type(layer).__name__}")
+    _check_gated_delta_net_layer(layer)
     problem = gated_delta_net_problem(layer.linear_attn)
     if problem:
         raise TypeError(f"layer: its GatedDeltaNet cannot be tiled: {problem}")
@@ -819,7 +827,7 @@ def tiled_gated_delta_net_layer(layer: torch.nn.Module, x: torch.Tensor, tile_to
     step = _GatedDeltaNetLayerTile(layer, attention_mask, kwargs)
     tokens = x.shape[1]
     if tile >= tokens or tokens == 0:
-        return functools.reduce(torch.add, step(x, None, (0, tokens))[0])
+        return _summed(step(x, None, (0, tokens))[0])
     params = tuple(p for p in layer.parameters() if p.requires_grad)
     tiles = _Tiles(step, tile, bool(preserve_rng_state), x.device, scan=True, name="GatedDeltaNet layer tile")
     return _tiled_call(TiledGDNLayerFunction, tiles, x, params, stash=True, hide_saved=True)
@@ -1047,9 +1055,7 @@ def untile_gated_delta_nets(model: torch.nn.Module) -> int:
 def tile_gated_delta_net_layer(layer: torch.nn.Module, tile_tokens: int) -> bool:
     """Give a GatedDeltaNet decoder layer a ``TiledGDNLayerForward``; True if it had none.
     ``TypeError`` (naming ``layer``) for a module ``is_gated_delta_net_layer`` refuses."""
-    if not is_gated_delta_net_layer(layer):
-        raise TypeError(f"layer: expected a transformers GatedDeltaNet decoder layer with a per-token MLP, "
-                        f"got {type(layer).__name__}")
+    _check_gated_delta_net_layer(layer)
     return _tile(layer, tile_tokens, TiledGDNLayerForward)
 
 
@@ -1964,8 +1970,9 @@ def plan_long_context(config, tokens: int, *, gpu_bytes: float = H200_USABLE_BYT
     the checkpoint offload (+0.07%: copies on a side stream) with the fewest layers that fit, then
     the tiled MLP (+1.1%: its recompute skips the down GEMM), then the tiled GatedDeltaNet as
     well, at one tile size for both (+10.9% when it ran one GatedDeltaNet forward more; tiled with
-    its whole decoder layer, +3.8% on an H100, ffbcd4d). The tile is the largest of ``PLAN_TILES`` shorter than ``tokens`` that fits: a
-    tile costs the same recompute whatever its size, and larger tiles are fewer launches. (At
+    its whole decoder layer, +3.8% on an H100, ffbcd4d). The tile is the largest of
+    ``PLAN_TILES`` shorter than ``tokens`` that fits: a tile costs the same recompute whatever its
+    size, and larger tiles are fewer launches. (At
     Qwen3.5's own sizes the GatedDeltaNet's backward is the peak, so the MLP alone never helps and
     a plan that tiles tiles both.) A step that fits as it is gets nothing. Where nothing fits, the
     most frugal plan (the smallest tiles, every layer the host holds) with ``fits=False``.

@@ -1391,9 +1391,8 @@ def revert(model: torch.nn.Module) -> PatchReport:
             report.reverted[f"{type(module).__name__} (tiled)"] += 1
         _unpatch_mlp(module, report)
         _unpatch_experts(module, report)
-        if long_context.untile_gated_delta_net(module):  # before the conv: it wraps the conv's forward
-            report.reverted[f"{type(module).__name__} (tiled)"] += 1
-        if long_context.untile_gated_delta_net_layer(module):
+        # a GatedDeltaNet (before the conv: it wraps the conv's forward) or its decoder layer
+        if long_context.untile_gated_delta_net(module) or long_context.untile_gated_delta_net_layer(module):
             report.reverted[f"{type(module).__name__} (tiled)"] += 1
         _unpatch_conv(module, report)
         _unskip_key_head_repeat(module, report)
