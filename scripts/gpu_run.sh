@@ -91,6 +91,9 @@ for op in $OPS; do
     step tune_$op python3 scripts/tune_$op.py --out data/bench/$gpu/${op}_tuning.csv
   fi
 done
+# where the whole-layer tiled GatedDeltaNet's cost goes: untiled and tiled steps of a 4-layer 9B, profiled
+[[ $STEPS == *profile* ]] && step profile python3 scripts/profile_tiled_layer.py ${PROFILE_ARGS:-} \
+    --out data/bench/$gpu/tiled_layer_profile.csv
 if [[ $STEPS == *overhead* ]]; then
   step overhead python3 scripts/host_overhead.py data/bench/$gpu/offset_rms_norm_host_overhead.csv
 fi

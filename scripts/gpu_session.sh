@@ -153,11 +153,9 @@ case $stage in
     done
     ;;
   tiled_profile)  # where the whole-layer tiled GatedDeltaNet's cost at 32k goes (+3.8% on the H100, ffbcd4d): the
-    # 9B's dimensions with 4 layers (3 GatedDeltaNet layers), q35lab and q35lab+tiled_gdn, each step profiled by kernel
-    # category (--breakdown, step_breakdown.csv) in tiled_profile.csv, a minute each with fla's tuning seeded
-    for v in q35lab q35lab+tiled_gdn; do
-      E2E_OUT=tiled_profile.csv e2e 120 $v 32768 --size h200 --layers 4 --steps 5 --breakdown
-    done
+    # 9B's dimensions with 4 layers (3 GatedDeltaNet layers), untiled and in tiles of 8192 and 16384, each step
+    # timed, then profiled by kernel group (scripts/profile_tiled_layer.py: tiled_layer_profile.csv), ~3 min
+    STEPS=profile TIMEOUT_profile=${TIMEOUT_profile:-300} bash scripts/gpu_run.sh
     ;;
   long_fit)  # the longest 9B step of each variant, searched (e2e's --fit): 32k and 64k, then the line through their
     # peaks guesses the limit, the search steps 3% up from a fit and down from an out of memory in doubling strides (long_fit.csv).
