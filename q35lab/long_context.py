@@ -183,7 +183,9 @@ def _run_tiles(tiles: _Tiles, x: torch.Tensor, record_rng: bool, keep_carries: b
             tiles.record_rng()
         if keep_carries:
             carries.append(carry)
-        piece = x[..., start:end, :]
+        # detached: a view made without grad of an input that requires it claims to require grad with no
+        # node behind it, which a module hook registering gradient hooks on inputs rejects (torch's ModuleTracker)
+        piece = x[..., start:end, :].detach()
         y, carry = tiles.step(piece, carry, (start, end))
         y = _summed(y)
         if not isinstance(y, torch.Tensor) or y.dim() != piece.dim() or y.shape[:-1] != piece.shape[:-1]:
@@ -325,7 +327,10 @@ def _tiled_backward(ctx, grad_out):
             if tiles.preserve_rng_state:
                 tiles.restore_rng(index)
             with torch.enable_grad(), _autocast(tiles.autocast):
-                piece = x[..., start:end, :].detach().requires_grad_(want_x)
+                leaf = x[..., start:end, :].detach().requires_grad_(want_x)
+                # the tile reads a view of its leaf: a module hook that hooks its inputs' gradients (torch's
+                # ModuleTracker: FlopCounterMode) cannot hook a leaf inside autograd.grad
+                piece = leaf.view_as(leaf) if want_x else leaf
                 carry_in = _carry_leaves(carries[index])
                 addends, carry_out = _recompute_tile(tiles, piece, carry_in, (start, end), index)
             pairs = [(y, grad_out[..., start:end, :]) for y in addends]
@@ -333,7 +338,7 @@ def _tiled_backward(ctx, grad_out):
                 pairs += [(c, g) for c, g in zip(carry_out, handed_back) if g is not None]
             pairs = [(o, g) for o, g in pairs if o.requires_grad]
             leaves = [c for c in carry_in or () if c.requires_grad]
-            inputs = ([piece] if want_x else []) + leaves + [ctx.params[i] for i in wanted]
+            inputs = ([leaf] if want_x else []) + leaves + [ctx.params[i] for i in wanted]
             grads = (torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
                      if pairs and inputs else (None,) * len(inputs))
             grads = list(grads)

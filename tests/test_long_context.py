@@ -1509,3 +1509,23 @@ def test_a_tiled_layer_whose_input_needs_no_grad_still_runs_each_tile_twice_unde
     assert got.keys() == expected64.keys() and len(got) > 0
     for name in got:  # fla's core (on a GPU) chunks as it does, not as the tiles: the rule against fp64
         assert_close_by_rule(name, got[name], expected[name], expected64[name])
+
+
+def test_a_tiled_model_steps_under_torchs_flop_counter_with_the_same_loss_and_gradients():
+    """FlopCounterMode registers global module hooks (torch's ModuleTracker) that hook the gradients of
+    every input requiring grad: the layers then run untiled with the GatedDeltaNet tiled alone
+    (hooks see whole calls), whose tiles must hand its projections inputs the tracker accepts."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    ids = torch.randint(0, 128, (1, 11), device=device())
+    counted = {}
+    for tile in (None, 4):
+        model = _model(targets="all-linear")
+        q35lab.apply_to_qwen3_5(model, **({"tiled_gdn": tile, "tiled_mlp": tile} if tile else {}))
+        with FlopCounterMode(display=False) as flops:
+            counted[tile] = _step(model, ids), flops.get_total_flops()
+    (untiled, untiled_flops), (tiled, tiled_flops) = counted[None], counted[4]
+    _assert_same(tiled, untiled, rtol=1e-4, atol=1e-6)
+    # the tiled GatedDeltaNet runs each tile's forward three times under the layer's checkpoint, the untiled
+    # one twice; everything else (the MLP's down GEMM left out of both recomputes) the same
+    assert untiled_flops > 0 and tiled_flops > untiled_flops
