@@ -72,6 +72,62 @@ def test_forward_and_gradients_match_reference(B, T, C, K, dtype):
     _check(*_inputs(B, T, C, K, dtype))
 
 
+def _segment_outputs(fn, x, w, b, h, dy, dfinal, **kwargs):
+    """``y``, the final rows and the gradients of ``Σ y·dy + Σ final·dfinal`` for those of x, w, b
+    and h that require grad."""
+    leaves = [t for t in (x, w, b, h) if t is not None and t.requires_grad]
+    y, final = fn(x, w, b, initial_rows=h, return_final_rows=True, **kwargs)
+    grads = torch.autograd.grad([y, final], leaves, [dy, dfinal])
+    return [y, final, *grads]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("B,T,C,K", [(2, 11, 37, 4), (1, 1, 37, 4), (1, 2, 16, 4), (1, 3, 20, 4), (1, 13, 5, 3),
+                                     (1, 9, 16, 1)], ids=lambda v: str(v))
+@pytest.mark.parametrize("dx_only", [False, True], ids=["all grads", "dx and dh"])
+def test_initial_and_final_rows_match_the_convolution_of_the_concatenation(B, T, C, K, dtype, dx_only):
+    """A segment convolved from the previous segment's last K-1 rows, handing on its own: the output,
+    the final rows and every gradient (x, w, b, the initial rows; the final rows' gradient flowing
+    back too) by the rule, against the reference's convolution of [h | x]. T < K-1 takes rows of h
+    into the final rows; the dx-only backward and the one with dW take different tiles."""
+    x, w, b, dy = _inputs(B, T, C, K, dtype)
+    h = torch.randn(B, K - 1, C, device=device()).to(dtype)
+    dfinal = torch.randn(B, K - 1, C, device=device()).to(dtype)
+    trains = not dx_only  # w and b: frozen in the dx-only backward, as in LoRA
+
+    def inputs(cast=lambda t: t.detach().clone()):
+        return tuple(cast(t).requires_grad_(g) for t, g in ((x, True), (w, trains), (b, trains), (h, True)))
+
+    out = _segment_outputs(causal_conv1d, *inputs(), dy, dfinal, config=SMALL)
+    ref = _segment_outputs(causal_conv1d_ref, *inputs(), dy, dfinal)
+    ref64 = _segment_outputs(causal_conv1d_ref, *inputs(lambda t: t.detach().double()), dy.double(), dfinal.double())
+    names = ["y", "final rows", "dx", "dw", "db", "dh"] if trains else ["y", "final rows", "dx", "dh"]
+    assert out[1].shape == (B, K - 1, C)
+    for name, got, expected, exact in zip(names, out, ref, ref64):
+        assert got.shape == expected.shape and got.dtype == expected.dtype, name
+        assert_close_by_rule(name, got, expected, exact)
+
+
+def test_segments_handing_on_their_rows_give_the_whole_sequences_output_and_gradients():
+    """A sequence of 19 tokens in segments of 7, 1, 2 and 9, each starting from the rows the one
+    before handed on: the whole sequence's convolution and gradients (x, w, b), to rounding."""
+    x, w, b, dy = _inputs(2, 19, 24, 4, torch.float32)
+    w, b = w.requires_grad_(), b.requires_grad_()
+    xs = x.detach().clone().requires_grad_()
+    whole = _run(causal_conv1d, x.requires_grad_(), w, b, dy, config=SMALL)
+    ys, rows, start = [], None, 0
+    for length in (7, 1, 2, 9):
+        y, rows = causal_conv1d(xs[:, start:start + length], w, b, initial_rows=rows, return_final_rows=True,
+                                config=SMALL)
+        ys.append(y)
+        start += length
+    y = torch.cat(ys, dim=1)
+    segmented = (y, torch.autograd.grad(y, [xs, w, b], dy))
+    torch.testing.assert_close(segmented[0], whole[0], rtol=1e-5, atol=1e-6)
+    for name, got, expected in zip(("dx", "dw", "db"), segmented[1], whole[1]):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_default_launch_config_and_fp16():
     x, w, b, dy = _inputs(1, 40, 24, 4, torch.float16)
     _check(x, w, b, dy, config=None)
@@ -219,6 +275,11 @@ def _t(*shape, dtype=torch.float32):
         ((_t(1, 4, 8), _t(8, 4)), {"cu_seqlens": torch.tensor([0, 3, 2, 4])}, ValueError, "cu_seqlens: expected non-decreasing"),
         ((_t(2, 4, 8), _t(8, 4)), {"cu_seqlens": torch.tensor([0, 4])}, ValueError, "cu_seqlens: a packed batch needs x of batch size 1"),
         ((_t(1, 4, 8), _t(8, 4)), {"config": {"block_t": 4}}, TypeError, "config: expected a LaunchConfig"),
+        ((_t(1, 4, 8), _t(8, 4)), {"initial_rows": _t(1, 4, 8)}, ValueError, r"initial_rows: expected shape \(1, 3, 8\)"),
+        ((_t(2, 4, 8), _t(8, 4)), {"initial_rows": _t(1, 3, 8)}, ValueError, r"initial_rows: expected shape \(2, 3, 8\)"),
+        ((_t(1, 4, 8), _t(8, 4)), {"initial_rows": _t(1, 3, 8, dtype=torch.int32)}, TypeError, "initial_rows: expected dtype"),
+        ((_t(1, 4, 8), _t(8, 4)), {"initial_rows": _t(1, 3, 8), "cu_seqlens": torch.tensor([0, 4])}, ValueError,
+         "initial_rows: not with cu_seqlens"),
     ],
 )
 def test_bad_input_raises_naming_the_argument(args, kwargs, error, message):

@@ -9,13 +9,16 @@ Forward, per channel ``c`` of width-``K`` filter ``w[c, :]`` (``K = 4`` in Qwen3
 transformers transposes it to ``[B, C, T]`` for ``nn.Conv1d`` and back, slices the padded output
 and applies SiLU in a second kernel; here one pass reads ``x`` once and writes ``y`` once. With
 ``cu_seqlens`` (a packed batch, ``B = 1``) "the start" is each sequence's start: nothing crosses
-a boundary.
+a boundary. With ``initial_rows`` ``h`` (``[B, K-1, C]``: the K-1 input rows before x's first, as a
+sequence cut into segments hands them on) "before the start" is ``h``, not 0: ``x[-j] = h[K-1-j]``;
+``return_final_rows`` also gives the last K-1 rows of ``[h | x]``, what the next segment starts from.
 
 Backward, with ``dz = dy · σ(z)·(1 + z·(1 − σ(z)))`` (``dz = dy`` without activation)::
 
     dx[t, c]   = Σ_k w[c, k] · dz[t + (K-1) - k, c]    # dz = 0 past the end of t's sequence
     dw[c, k]   = Σ_t dz[t, c] · x[t-(K-1)+k, c]         # fp32 partial per program, reduced once
     dbias[c]   = Σ_t dz[t, c]
+    dh[j, c]   = Σ_{k<=j} w[c, k] · dz[j - k, c]             # j < K-1: the initial rows' gradient
 
 ``z`` is recomputed from ``x`` in the backward instead of being saved: the autograd node keeps
 ``x`` (``T·C·elem`` bytes — 16 KiB a token at C = 8192 in bf16 — and no copy when ``x`` is
@@ -26,7 +29,8 @@ channels-last, even as a column slice of a wider buffer), the weight and bias (v
 Layering: ``_causal_conv1d_fwd_kernel`` / ``_causal_conv1d_bwd_kernel`` (Triton) →
 ``causal_conv1d_fwd`` / ``causal_conv1d_bwd`` (host) → ``CausalConv1dFunction`` →
 ``causal_conv1d`` (functional); ``causal_conv1d_ref`` is transformers' ``causal_conv1d_fn`` in
-PyTorch, per sequence, the reference every test compares against.
+PyTorch, per sequence, the reference every test compares against (with initial rows: on ``[h | x]``,
+the first K-1 outputs dropped).
 """
 
 from __future__ import annotations
@@ -79,16 +83,25 @@ def causal_conv1d_ref(
     *,
     activation: str | None = "silu",
     cu_seqlens: torch.Tensor | None = None,
-) -> torch.Tensor:
+    initial_rows: torch.Tensor | None = None,
+    return_final_rows: bool = False,
+):
     """``act(conv1d(x.transpose(1, 2), groups=C, padding=K-1)[..., :T])`` transposed back.
 
     Line for line transformers' fallback: ``x`` cast to the weight's dtype, ``F.conv1d``, the
     activation in that dtype, cast to ``x.dtype``. With ``cu_seqlens`` each sequence is convolved
-    alone. With fp64 inputs it is the exact reference of the numerics rule.
+    alone. With fp64 inputs it is the exact reference of the numerics rule. ``initial_rows``: the
+    convolution of ``[initial_rows | x]`` without its first K-1 outputs; ``return_final_rows``:
+    ``(y, the last K-1 rows of [initial_rows | x])``, zeros standing in for absent initial rows.
     """
     C = x.shape[-1]
     w = weight.reshape(C, -1)
     K = w.shape[1]
+    if initial_rows is not None or return_final_rows:
+        h = x.new_zeros(x.shape[0], K - 1, C) if initial_rows is None else initial_rows.to(x.dtype)
+        rows = torch.cat([h, x], dim=1)
+        y = causal_conv1d_ref(rows, weight, bias, activation=activation)[:, K - 1:]
+        return (y, rows[:, rows.shape[1] - (K - 1):]) if return_final_rows else y
     b = None if bias is None else bias.to(w.dtype)
 
     def one(xs: torch.Tensor) -> torch.Tensor:
@@ -127,15 +140,27 @@ def _filter_tap(W, stride_wc, stride_wk, cols, col_mask, k):
 
 
 @triton.jit
+def _input_rows(x_base, stride_xt, h_base, stride_ht, src, ok, start, cols, col_mask,
+                K: tl.constexpr, HAS_INIT: tl.constexpr):
+    """``x[src]`` in fp32 where ``ok``, 0 before ``start``; with initial rows (``start`` = 0: no
+    packed sequences) ``h[K-1+src]`` for ``src < 0``."""
+    xs = _load_tile(x_base, stride_xt, src, ok & (src >= start), cols, col_mask)
+    if HAS_INIT:
+        xs += _load_tile(h_base, stride_ht, src + (K - 1), ok & (src < 0), cols, col_mask)
+    return xs
+
+
+@triton.jit
 def _pre_activation(
-    x_base, stride_xt, W, stride_wc, stride_wk, bias, rows, start, row_ok, cols, col_mask,
-    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    x_base, stride_xt, h_base, stride_ht, W, stride_wc, stride_wk, bias, rows, start, row_ok, cols, col_mask,
+    K: tl.constexpr, HAS_INIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """``z[rows] = bias + Σ_k w[k]·x[rows-(K-1)+k]``, x taken as 0 before ``start`` (per row)."""
+    """``z[rows] = bias + Σ_k w[k]·x[rows-(K-1)+k]``, x taken as 0 before ``start`` (per row), or
+    as the initial rows ``h`` before the first token (``HAS_INIT``)."""
     z = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32) + bias[None, :]
     for k in tl.static_range(K):
         src = rows - (K - 1) + k
-        xk = _load_tile(x_base, stride_xt, src, row_ok & (src >= start), cols, col_mask)
+        xk = _input_rows(x_base, stride_xt, h_base, stride_ht, src, row_ok, start, cols, col_mask, K, HAS_INIT)
         z += xk * _filter_tap(W, stride_wc, stride_wk, cols, col_mask, k)[None, :]
     return z
 
@@ -146,11 +171,14 @@ def _causal_conv1d_fwd_kernel(
     W,  # [C, K] filter taps
     BIAS,  # [C] (unused without HAS_BIAS)
     SEQ_START,  # [T] int32, first token of each token's sequence (unused without HAS_SEQ)
+    H,  # [B, K-1, C] initial rows, channels contiguous (unused without HAS_INIT)
     Y,  # [B, T, C] output, x.dtype
     T,
     C,
     stride_xb,
     stride_xt,
+    stride_hb,
+    stride_ht,
     stride_yb,
     stride_yt,
     stride_wc,
@@ -158,6 +186,7 @@ def _causal_conv1d_fwd_kernel(
     K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SEQ: tl.constexpr,
+    HAS_INIT: tl.constexpr,
     SILU: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -175,8 +204,8 @@ def _causal_conv1d_fwd_kernel(
         start = tl.load(SEQ_START + rows, mask=row_ok, other=0)
     else:
         start = tl.zeros([BLOCK_T], dtype=tl.int32)
-    z = _pre_activation(X + b * stride_xb, stride_xt, W, stride_wc, stride_wk, bias, rows, start, row_ok,
-                        cols, col_mask, K, BLOCK_T, BLOCK_C)
+    z = _pre_activation(X + b * stride_xb, stride_xt, H + b * stride_hb, stride_ht, W, stride_wc, stride_wk, bias,
+                        rows, start, row_ok, cols, col_mask, K, HAS_INIT, BLOCK_T, BLOCK_C)
     if SILU:
         z = z * tl.sigmoid(z)
     mask = row_ok[:, None] & col_mask[None, :]
@@ -186,15 +215,16 @@ def _causal_conv1d_fwd_kernel(
 
 @triton.jit
 def _grad_pre_activation(
-    x_base, stride_xt, dy_base, stride_dyt, W, stride_wc, stride_wk, bias, rows, start, row_ok, cols, col_mask,
-    K: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    x_base, stride_xt, h_base, stride_ht, dy_base, stride_dyt, W, stride_wc, stride_wk, bias, rows, start, row_ok,
+    cols, col_mask, K: tl.constexpr, HAS_INIT: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     """``dz[rows] = dy·silu'(z)`` with ``z`` recomputed from x (``dy`` without activation);
     0 where ``row_ok`` is false."""
     dz = _load_tile(dy_base, stride_dyt, rows, row_ok, cols, col_mask)
     if SILU:
-        z = _pre_activation(x_base, stride_xt, W, stride_wc, stride_wk, bias, rows, start, row_ok,
-                            cols, col_mask, K, BLOCK_T, BLOCK_C)
+        z = _pre_activation(x_base, stride_xt, h_base, stride_ht, W, stride_wc, stride_wk, bias, rows, start, row_ok,
+                            cols, col_mask, K, HAS_INIT, BLOCK_T, BLOCK_C)
         sig = tl.sigmoid(z)
         dz = dz * sig * (1.0 + z * (1.0 - sig))
     return dz
@@ -209,10 +239,34 @@ def _rows_ahead(s: tl.constexpr, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _tap_product(x_base, stride_xt, dz, rows, start, row_ok, cols, col_mask, k: tl.constexpr, K: tl.constexpr):
-    """``dz[t] · x[t-(K-1)+k]``: token t's share of ``dW[:, k]`` (x before the sequence = 0)."""
+def _tap_product(x_base, stride_xt, h_base, stride_ht, dz, rows, start, row_ok, cols, col_mask, k: tl.constexpr,
+                 K: tl.constexpr, HAS_INIT: tl.constexpr):
+    """``dz[t] · x[t-(K-1)+k]``: token t's share of ``dW[:, k]`` (x before the sequence = 0, or the
+    initial rows)."""
     src = rows - (K - 1) + k
-    return dz * _load_tile(x_base, stride_xt, src, row_ok & (src >= start), cols, col_mask)
+    return dz * _input_rows(x_base, stride_xt, h_base, stride_ht, src, row_ok, start, cols, col_mask, K, HAS_INIT)
+
+
+@triton.jit
+def _rows_behind(s: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Row ``r - s`` for every row ``r`` of a tile, as a ``tl.gather`` index (the first ``s`` rows
+    get row 0, which callers mask)."""
+    return tl.maximum(tl.arange(0, BLOCK_T) - s, 0)
+
+
+@triton.jit
+def _initial_rows_grad(dz, W, stride_wc, stride_wk, cols, col_mask, K: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_C: tl.constexpr):
+    """``dh[j] = Σ_{k<=j} w[k]·dz[j-k]`` in rows ``j < K-1`` of the result (the rest are not
+    the initial rows'), from the first tile's ``dz``: initial row j is input row j-(K-1), which
+    output t reads through tap k where t = j-k."""
+    local = tl.arange(0, BLOCK_T)
+    dh = dz * _filter_tap(W, stride_wc, stride_wk, cols, col_mask, 0)[None, :]
+    for k in tl.static_range(1, K):
+        behind = _rows_behind(k, BLOCK_T)
+        dz_k = tl.gather(dz, tl.broadcast_to(behind[:, None], (BLOCK_T, BLOCK_C)), axis=0)
+        dh += tl.where((local >= k)[:, None], dz_k, 0.0) * _filter_tap(W, stride_wc, stride_wk, cols, col_mask, k)[None, :]
+    return dh
 
 
 @triton.jit
@@ -221,14 +275,20 @@ def _causal_conv1d_bwd_kernel(
     W,  # [C, K]
     BIAS,  # [C] (unused without HAS_BIAS)
     SEQ_START,  # [T] int32 (unused without HAS_SEQ)
+    H,  # [B, K-1, C] initial rows (unused without HAS_INIT)
     DY,  # [B, T, C] upstream gradient, channels contiguous
     DX,  # [B, T, C] input gradient, x.dtype (unused without COMPUTE_DX)
+    DH,  # [B, K-1, C] the initial rows' gradient, their dtype (unused without COMPUTE_DH)
     DW_PARTIAL,  # [B·n_t_programs, C·K] fp32: this program's Σ dz·x per tap (unused without COMPUTE_DW)
     DB_PARTIAL,  # [B·n_t_programs, C] fp32: this program's Σ dz (unused without COMPUTE_DB)
     T,
     C,
     stride_xb,
     stride_xt,
+    stride_hb,
+    stride_ht,
+    stride_dhb,
+    stride_dht,
     stride_dyb,
     stride_dyt,
     stride_dxb,
@@ -239,10 +299,12 @@ def _causal_conv1d_bwd_kernel(
     K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SEQ: tl.constexpr,
+    HAS_INIT: tl.constexpr,
     SILU: tl.constexpr,
     COMPUTE_DX: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
     COMPUTE_DB: tl.constexpr,
+    COMPUTE_DH: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -261,6 +323,7 @@ def _causal_conv1d_bwd_kernel(
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < C
     x_base = X + b.to(tl.int64) * stride_xb
+    h_base = H + b.to(tl.int64) * stride_hb
     dy_base = DY + b.to(tl.int64) * stride_dyb
     if HAS_BIAS:
         bias = tl.load(BIAS + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -281,28 +344,34 @@ def _causal_conv1d_bwd_kernel(
             start = tl.load(SEQ_START + rows, mask=row_ok, other=0)
         else:
             start = tl.zeros([BLOCK_T], dtype=tl.int32)
-        dz = _grad_pre_activation(x_base, stride_xt, dy_base, stride_dyt, W, stride_wc, stride_wk, bias,
-                                  rows, start, row_ok, cols, col_mask, K, SILU, BLOCK_T, BLOCK_C)
+        dz = _grad_pre_activation(x_base, stride_xt, h_base, stride_ht, dy_base, stride_dyt, W, stride_wc, stride_wk,
+                                  bias, rows, start, row_ok, cols, col_mask, K, HAS_INIT, SILU, BLOCK_T, BLOCK_C)
+        if COMPUTE_DH:
+            if (pid_t == 0) & (i == 0):  # the first tile holds dz at tokens 0..K-2, all the initial rows reach
+                dh = _initial_rows_grad(dz, W, stride_wc, stride_wk, cols, col_mask, K, BLOCK_T, BLOCK_C)
+                mask = (local < K - 1)[:, None] & col_mask[None, :]
+                tl.store(DH + b.to(tl.int64) * stride_dhb + local.to(tl.int64)[:, None] * stride_dht + cols[None, :],
+                         dh.to(DH.dtype.element_ty), mask=mask)
         if COMPUTE_DB or COMPUTE_DW:
             dz_owned = tl.where(owned[:, None], dz, 0.0)  # each token counted by one tile only
         if COMPUTE_DB:
             db_acc += dz_owned
         if COMPUTE_DW:
-            dw0 += _tap_product(x_base, stride_xt, dz_owned, rows, start, owned, cols, col_mask, 0, K)
+            dw0 += _tap_product(x_base, stride_xt, h_base, stride_ht, dz_owned, rows, start, owned, cols, col_mask, 0, K, HAS_INIT)
             if K > 1:
-                dw1 += _tap_product(x_base, stride_xt, dz_owned, rows, start, owned, cols, col_mask, 1, K)
+                dw1 += _tap_product(x_base, stride_xt, h_base, stride_ht, dz_owned, rows, start, owned, cols, col_mask, 1, K, HAS_INIT)
             if K > 2:
-                dw2 += _tap_product(x_base, stride_xt, dz_owned, rows, start, owned, cols, col_mask, 2, K)
+                dw2 += _tap_product(x_base, stride_xt, h_base, stride_ht, dz_owned, rows, start, owned, cols, col_mask, 2, K, HAS_INIT)
             if K > 3:
-                dw3 += _tap_product(x_base, stride_xt, dz_owned, rows, start, owned, cols, col_mask, 3, K)
+                dw3 += _tap_product(x_base, stride_xt, h_base, stride_ht, dz_owned, rows, start, owned, cols, col_mask, 3, K, HAS_INIT)
             if K > 4:
-                dw4 += _tap_product(x_base, stride_xt, dz_owned, rows, start, owned, cols, col_mask, 4, K)
+                dw4 += _tap_product(x_base, stride_xt, h_base, stride_ht, dz_owned, rows, start, owned, cols, col_mask, 4, K, HAS_INIT)
             if K > 5:
-                dw5 += _tap_product(x_base, stride_xt, dz_owned, rows, start, owned, cols, col_mask, 5, K)
+                dw5 += _tap_product(x_base, stride_xt, h_base, stride_ht, dz_owned, rows, start, owned, cols, col_mask, 5, K, HAS_INIT)
             if K > 6:
-                dw6 += _tap_product(x_base, stride_xt, dz_owned, rows, start, owned, cols, col_mask, 6, K)
+                dw6 += _tap_product(x_base, stride_xt, h_base, stride_ht, dz_owned, rows, start, owned, cols, col_mask, 6, K, HAS_INIT)
             if K > 7:
-                dw7 += _tap_product(x_base, stride_xt, dz_owned, rows, start, owned, cols, col_mask, 7, K)
+                dw7 += _tap_product(x_base, stride_xt, h_base, stride_ht, dz_owned, rows, start, owned, cols, col_mask, 7, K, HAS_INIT)
         if COMPUTE_DX:
             dx = dz * _filter_tap(W, stride_wc, stride_wk, cols, col_mask, K - 1)[None, :]
             for s in tl.static_range(1, K):
@@ -401,9 +470,11 @@ def causal_conv1d_fwd(
     seq_start: torch.Tensor | None,
     silu: bool,
     config: LaunchConfig | None = None,
+    initial_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``y`` for ``x`` ``[B, T, C]`` with ``x.stride(2) == 1``, ``weight2d`` ``[C, K]``,
-    ``seq_start`` ``[T]`` int32 or None; a new contiguous tensor of ``x.dtype``."""
+    ``seq_start`` ``[T]`` int32 or None, ``initial_rows`` ``[B, K-1, C]`` channels-contiguous or
+    None (not with ``seq_start``); a new contiguous tensor of ``x.dtype``."""
     B, T, C = x.shape
     K = weight2d.shape[1]
     y = torch.empty((B, T, C), dtype=x.dtype, device=x.device)
@@ -411,11 +482,13 @@ def causal_conv1d_fwd(
         return y
     config = config or launch_config(C, K)
     bias_arg, seq_arg = _bias_and_seq(weight2d, bias, seq_start)
+    h = x if initial_rows is None else initial_rows
     grid = (triton.cdiv(T, config.block_t), triton.cdiv(C, config.block_c), B)
     _causal_conv1d_fwd_kernel[grid](
-        x, weight2d, bias_arg, seq_arg, y, T, C,
-        x.stride(0), x.stride(1), y.stride(0), y.stride(1), weight2d.stride(0), weight2d.stride(1),
-        K=K, HAS_BIAS=bias is not None, HAS_SEQ=seq_start is not None, SILU=silu,
+        x, weight2d, bias_arg, seq_arg, h, y, T, C,
+        x.stride(0), x.stride(1), h.stride(0), h.stride(1), y.stride(0), y.stride(1),
+        weight2d.stride(0), weight2d.stride(1),
+        K=K, HAS_BIAS=bias is not None, HAS_SEQ=seq_start is not None, HAS_INIT=initial_rows is not None, SILU=silu,
         BLOCK_T=config.block_t, BLOCK_C=config.block_c, num_warps=config.num_warps,
     )
     return y
@@ -433,8 +506,11 @@ def causal_conv1d_bwd(
     compute_dw: bool = True,
     compute_db: bool = True,
     config: LaunchConfig | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """``(dx, dweight2d, dbias)``, each None unless asked for (``dbias`` also None without bias).
+    initial_rows: torch.Tensor | None = None,
+    compute_dh: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(dx, dweight2d, dbias, dinitial_rows)``, each None unless asked for (``dbias`` also None
+    without bias, ``dinitial_rows`` without ``initial_rows``).
 
     ``dy`` and ``x`` are ``[B, T, C]`` with unit channel stride. With dW or dbias the token
     axis is split over a few programs per SM, each walking a contiguous run of tiles and writing
@@ -444,13 +520,17 @@ def causal_conv1d_bwd(
     B, T, C = x.shape
     K = weight2d.shape[1]
     compute_db = compute_db and bias is not None
+    compute_dh = compute_dh and initial_rows is not None
     dx = torch.empty((B, T, C), dtype=x.dtype, device=x.device) if compute_dx else None
-    if not (compute_dx or compute_dw or compute_db):
-        return None, None, None
+    if not (compute_dx or compute_dw or compute_db or compute_dh):
+        return None, None, None, None
     if B * T * C == 0:
         dw = torch.zeros_like(weight2d) if compute_dw else None
         db = torch.zeros_like(bias) if compute_db else None
-        return dx, dw, db
+        dh = torch.zeros_like(initial_rows) if compute_dh else None
+        return dx, dw, db, dh
+    # every initial row's gradient is written by the first tile of each channel block (K-1 rows)
+    dh = torch.empty_like(initial_rows, memory_format=torch.contiguous_format) if compute_dh else None
     config = config or launch_config(C, K)
     with_partials = compute_dw or compute_db
     block_t, block_c, warps = ((config.dw_block_t, config.dw_block_c, config.dw_warps) if with_partials
@@ -474,19 +554,22 @@ def causal_conv1d_bwd(
     db_partial = torch.empty((n_partials, C), **f32) if compute_db else None
     bias_arg, seq_arg = _bias_and_seq(weight2d, bias, seq_start)
     dummy = weight2d
+    h = x if initial_rows is None else initial_rows
+    dh_arg = dh if compute_dh else x
     _causal_conv1d_bwd_kernel[(t_programs, n_cblocks, B)](
-        x, weight2d, bias_arg, seq_arg, dy,
-        dx if compute_dx else dummy, dw_partial if compute_dw else dummy, db_partial if compute_db else dummy,
-        T, C, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
+        x, weight2d, bias_arg, seq_arg, h, dy,
+        dx if compute_dx else dummy, dh_arg, dw_partial if compute_dw else dummy, db_partial if compute_db else dummy,
+        T, C, x.stride(0), x.stride(1), h.stride(0), h.stride(1), dh_arg.stride(0), dh_arg.stride(1),
+        dy.stride(0), dy.stride(1),
         dx.stride(0) if compute_dx else 0, dx.stride(1) if compute_dx else 0,
         weight2d.stride(0), weight2d.stride(1), tiles_per_program,
-        K=K, HAS_BIAS=bias is not None, HAS_SEQ=seq_start is not None,
-        SILU=silu, COMPUTE_DX=compute_dx, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
+        K=K, HAS_BIAS=bias is not None, HAS_SEQ=seq_start is not None, HAS_INIT=initial_rows is not None,
+        SILU=silu, COMPUTE_DX=compute_dx, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, COMPUTE_DH=compute_dh,
         BLOCK_T=block_t, BLOCK_C=block_c, num_warps=warps,
     )
     dw = sum_partials(dw_partial, weight2d.dtype).view(C, K) if compute_dw else None
     db = sum_partials(db_partial, bias.dtype) if compute_db else None
-    return dx, dw, db
+    return dx, dw, db, dh
 
 
 # --------------------------------------------------------------------------------------------
@@ -499,28 +582,49 @@ def _channels_last(t: torch.Tensor) -> torch.Tensor:
 
 class CausalConv1dFunction(torch.autograd.Function):
     """Autograd node: saves ``x`` (a reference, no copy when channels-last), the weight and bias,
-    and with ``cu_seqlens`` the int32 sequence start of every token; ``z`` is recomputed."""
+    with ``cu_seqlens`` the int32 sequence start of every token, and the initial rows if any; ``z``
+    is recomputed. Returns ``y``, and with ``final`` the final rows too (the last K-1 rows of
+    ``[h | x]``), whose gradient joins ``x``'s (and ``h``'s, for T < K-1)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, seq_start, silu: bool, config: LaunchConfig | None):
-        C = x.shape[-1]
-        weight2d = weight.reshape(C, weight.shape[-1])
+    def forward(ctx, x, weight, bias, seq_start, initial_rows, silu: bool, config: LaunchConfig | None, final: bool):
+        C, K = x.shape[-1], weight.shape[-1]
+        weight2d = weight.reshape(C, K)
         x = _channels_last(x)
-        y = causal_conv1d_fwd(x, weight2d, bias, seq_start, silu, config)
-        ctx.save_for_backward(x, weight2d, bias, seq_start)
+        h = None if initial_rows is None else _channels_last(initial_rows)
+        y = causal_conv1d_fwd(x, weight2d, bias, seq_start, silu, config, initial_rows=h)
+        ctx.save_for_backward(x, weight2d, bias, seq_start, h)
         ctx.silu, ctx.config, ctx.weight_shape = silu, config, weight.shape
-        return y
+        return (y, _final_rows(x, h, K)) if final else y
 
     @staticmethod
     @first_order_only
-    def backward(ctx, dy):
-        x, weight2d, bias, seq_start = ctx.saved_tensors
-        needs_dx, needs_dw, needs_db = ctx.needs_input_grad[:3]
-        dx, dw, db = causal_conv1d_bwd(
+    def backward(ctx, dy, dfinal=None):
+        x, weight2d, bias, seq_start, h = ctx.saved_tensors
+        needs_dx, needs_dw, needs_db, _, needs_dh = ctx.needs_input_grad[:5]
+        if dy is None:  # only the final rows were used
+            dy = torch.zeros_like(x)
+        dx, dw, db, dh = causal_conv1d_bwd(
             _channels_last(dy), x, weight2d, bias, seq_start, ctx.silu,
             compute_dx=needs_dx, compute_dw=needs_dw, compute_db=needs_db, config=ctx.config,
+            initial_rows=h, compute_dh=needs_dh,
         )
-        return dx, (dw.view(ctx.weight_shape) if dw is not None else None), db, None, None, None
+        if dfinal is not None:  # the final rows are the last K-1 rows of [h | x]: their gradient lands there
+            T, kept = x.shape[1], dfinal.shape[1]
+            if dx is not None and T:
+                dx[:, max(T - kept, 0):] += dfinal[:, max(kept - T, 0):].to(dx.dtype)
+            if dh is not None and T < kept:
+                dh[:, T:] += dfinal[:, :kept - T].to(dh.dtype)
+        return dx, (dw.view(ctx.weight_shape) if dw is not None else None), db, None, dh, None, None, None
+
+
+def _final_rows(x: torch.Tensor, h: torch.Tensor | None, K: int) -> torch.Tensor:
+    """The last K-1 rows of ``[h | x]`` (zeros for an absent ``h``), a new ``[B, K-1, C]`` tensor."""
+    B, T, C = x.shape
+    if T >= K - 1:
+        return x[:, T - (K - 1):].contiguous() if K > 1 else x.new_empty(B, 0, C)
+    before = x.new_zeros(B, K - 1 - T, C) if h is None else h[:, T:].to(x.dtype)
+    return torch.cat([before, x], dim=1)
 
 
 def _check_weight(weight: torch.Tensor, C: int) -> int:
@@ -569,8 +673,10 @@ def causal_conv1d(
     *,
     activation: str | None = "silu",
     cu_seqlens: torch.Tensor | None = None,
+    initial_rows: torch.Tensor | None = None,
+    return_final_rows: bool = False,
     config: LaunchConfig | None = None,
-) -> torch.Tensor:
+):
     """Depthwise causal conv1d over tokens + SiLU, channels last, fp32 inside, rounded once.
 
     ``y[b, t, c] = act(bias[c] + Σ_k weight[c, k] · x[b, t-(K-1)+k, c])``, x before the
@@ -588,18 +694,25 @@ def causal_conv1d(
         cu_seqlens: int32/int64 ``[N+1]`` cumulative sequence starts of a packed batch
             (``B = 1``, from 0 to T, non-decreasing); no value crosses a boundary. Checking it
             synchronises with the device once.
+        initial_rows: ``[B, K-1, C]``, the K-1 input rows before x's first (a long sequence
+            convolved segment by segment hands them on), read where x would be 0; not with
+            ``cu_seqlens``. Its gradient flows back.
+        return_final_rows: also return the last K-1 rows of ``[initial_rows | x]`` (zeros for
+            absent initial rows), the next segment's ``initial_rows``; its gradient flows back
+            into ``x`` (and ``initial_rows``) without the ``[K-1+T, C]`` concatenation.
         config: launch configuration; None for ``launch_config(C, K)``.
 
     Returns:
-        ``y``, a new contiguous ``[B, T, C]`` tensor of ``x.dtype``. Gradients flow to ``x``,
-        ``weight`` and ``bias`` (each skipped when it does not require grad).
+        ``y``, a new contiguous ``[B, T, C]`` tensor of ``x.dtype``; with ``return_final_rows``,
+        ``(y, final_rows)``. Gradients flow to ``x``, ``weight``, ``bias`` and ``initial_rows``
+        (each skipped when it does not require grad).
     """
     check_float_tensor("x", x)
     check_float_tensor("weight", weight)
     if x.dim() != 3:
         raise ValueError(f"x: expected a 3-D tensor [B, T, C] (channels last), got shape {tuple(x.shape)}")
     B, T, C = x.shape
-    _check_weight(weight, C)
+    K = _check_weight(weight, C)
     tensors = {"x": x, "weight": weight}
     if bias is not None:
         check_float_tensor("bias", bias)
@@ -610,8 +723,17 @@ def causal_conv1d(
         raise ValueError(f"activation: expected None, 'silu' or 'swish', got {activation!r}")
     if cu_seqlens is not None and isinstance(cu_seqlens, torch.Tensor):
         tensors["cu_seqlens"] = cu_seqlens
+    if initial_rows is not None:
+        check_float_tensor("initial_rows", initial_rows)
+        if tuple(initial_rows.shape) != (B, K - 1, C):
+            raise ValueError(f"initial_rows: expected shape {(B, K - 1, C)} ([B, K-1, C] for x {tuple(x.shape)} and a "
+                             f"{K}-tap filter), got {tuple(initial_rows.shape)}")
+        if cu_seqlens is not None:
+            raise ValueError("initial_rows: not with cu_seqlens (a packed batch's sequences each start from zeros)")
+        tensors["initial_rows"] = initial_rows
     check_kernel_device(**tensors)
     if config is not None and not isinstance(config, LaunchConfig):
         raise TypeError(f"config: expected a LaunchConfig or None, got {type(config).__name__}")
     seq_start = None if cu_seqlens is None else _sequence_starts(cu_seqlens, B, T)
-    return CausalConv1dFunction.apply(x, weight, bias, seq_start, activation is not None, config)
+    return CausalConv1dFunction.apply(x, weight, bias, seq_start, initial_rows, activation is not None, config,
+                                      bool(return_final_rows))
