@@ -48,6 +48,7 @@ import torch
 
 from .ops._autograd import first_order_only
 from .ops._compile import opaque_to_compile
+from .ops.causal_conv1d import causal_conv1d
 from .ops.swiglu import is_unread, unread_down_outputs
 
 __all__ = [
@@ -591,14 +592,16 @@ class _GatedDeltaNetTile:
         x            = x · mask[s:e]                          (padding rows zeroed; if a mask is given)
         qkv, z, b, a = in_proj_qkv(x), in_proj_z(x), in_proj_b(x), in_proj_a(x)   (one fused node, patched)
         rows         = [conv rows | qkv]                     (the previous tile's last K−1 qkv rows)
-        q, k, v      = split(conv1d(rows)[drop the first len(conv rows)])        (silu; q35lab's when patched)
+        q, k, v      = split(conv1d(rows)[drop the first len(conv rows)])        (silu)
         beta, g      = sigmoid(b), −exp(A_log) · softplus(a + dt_bias)           (fp32 g)
         o, S'        = core(q, k, v, g, beta, initial_state=S, output_final_state=True,
                             use_qk_l2norm_in_kernel=True)    (q, k repeated by num_v_heads // num_k_heads,
                                                                as the forward would)
         y            = out_proj(norm(o, z))
 
-    and hands on ``(last K−1 rows of [conv rows | qkv], S')``. The first tile has no carry (the
+    and hands on ``(last K−1 rows of [conv rows | qkv], S')``. q35lab's conv (patched) takes the
+    carried rows as its initial rows and gives the last ones (``causal_conv1d(initial_rows=,
+    return_final_rows=True)``): ``rows`` is never made; any other conv gets the concatenation. The first tile has no carry (the
     conv pads with zeros, S starts at zero: the module's own start). A tile shorter than K−1 hands
     on rows of earlier tiles too, so the conv of every tile sees exactly the rows it would see
     untiled. The carry is the conv's *input*, not x: the in_proj runs once per row, so LoRA dropout
@@ -609,6 +612,11 @@ class _GatedDeltaNetTile:
         self.gdn, self.mask, self.kwargs = gdn, attention_mask, kwargs
         # resolved once a call: the forward's tiles and their recompute in backward use the same
         self.conv, self.core = _conv_function(gdn), _core_function(gdn)
+        from .patch import _CausalConv
+
+        # q35lab's kernel reads the carried rows where the tile's first rows' window starts and hands on
+        # its last ones: no [K-1+tile, C] concatenation, whose slices' gradients cost three passes over it
+        self.conv_carries_rows = isinstance(self.conv, _CausalConv)
         self.repeat = _forward_repeats_key_heads(type(gdn))
         self.apply_mask = getattr(_modeling_module(gdn), "apply_mask_to_padding_states", _apply_mask_to_padding_states)
         self.core_kwargs = {k: v for k, v in kwargs.items() if k != "cu_seq_lens_q"}  # as the forward pops it
@@ -624,10 +632,7 @@ class _GatedDeltaNetTile:
         b = gdn.in_proj_b(x)
         a = gdn.in_proj_a(x)
         previous, state = (None, None) if carry is None else carry
-        rows = qkv if previous is None else torch.cat([previous.to(qkv.dtype), qkv], dim=1)
-        mixed = self.conv(rows.transpose(1, 2), gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias,
-                          activation=gdn.activation, **self.kwargs)
-        mixed = mixed.transpose(1, 2)[:, rows.shape[1] - tokens:]
+        mixed, rows = self._conv(qkv, previous)
         query, key, value = torch.split(mixed, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
         query = query.reshape(batch, tokens, -1, gdn.head_k_dim)
         key = key.reshape(batch, tokens, -1, gdn.head_k_dim)
@@ -643,9 +648,21 @@ class _GatedDeltaNetTile:
                                    use_qk_l2norm_in_kernel=True, cu_seqlens=None, **self.core_kwargs)
         out = gdn.norm(out.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))
         y = gdn.out_proj(out.reshape(batch, tokens, -1))
+        return y, (rows, state)
+
+    def _conv(self, qkv: torch.Tensor, previous: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the conv's output for the tile's rows [B, t, C], the last K−1 rows of [previous | qkv])."""
+        gdn = self.gdn
+        if self.conv_carries_rows:
+            return causal_conv1d(qkv, gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias, activation=gdn.activation,
+                                 initial_rows=previous, return_final_rows=True)
+        tokens = qkv.shape[1]
+        rows = qkv if previous is None else torch.cat([previous.to(qkv.dtype), qkv], dim=1)
+        mixed = self.conv(rows.transpose(1, 2), gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias,
+                          activation=gdn.activation, **self.kwargs)
         keep = min(gdn.conv_kernel_size - 1, rows.shape[1])
         # a copy: a view would keep the whole tile's rows alive until the backward
-        return y, (rows[:, rows.shape[1] - keep:].clone(), state)
+        return mixed.transpose(1, 2)[:, rows.shape[1] - tokens:], rows[:, rows.shape[1] - keep:].clone()
 
 
 def _apply_mask_to_padding_states(hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

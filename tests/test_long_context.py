@@ -870,8 +870,12 @@ def test_tiled_gated_delta_net_patched_by_q35lab_fused_in_proj_triton_conv_and_g
     w = torch.randn(1, 7, TEXT["hidden_size"], device=device())
     ref, ref64 = _gdn_outputs(gdn, x, w, None), _gdn_outputs(gdn64, x, w, None, torch.float64)
     assert len(wrapped) == 1  # the untiled patched forward: one call
+    # q35lab's conv reads each carry as its initial rows (no concatenation of the carry and the tile)
+    carried, conv = [], lc.causal_conv1d
+    monkeypatch.setattr(lc, "causal_conv1d", lambda *a, **k: carried.append(k["initial_rows"] is not None) or conv(*a, **k))
     out = _gdn_outputs(gdn, x, w, 2)  # tiles shorter than K − 1: a carry holds rows of two tiles
     assert len(wrapped) == 1 + 2 * 4  # 4 tiles, each in the forward and again in the backward
+    assert carried == [False, True, True, True] + [True, True, True, False]  # the backward in reverse
     for i, (a, b, b64) in enumerate(zip(out, ref, ref64)):
         assert_close_by_rule(str(i), a, b, b64)
 
