@@ -98,11 +98,14 @@ def test_initial_and_final_rows_match_the_convolution_of_the_concatenation(B, T,
     def inputs(cast=lambda t: t.detach().clone()):
         return tuple(cast(t).requires_grad_(g) for t, g in ((x, True), (w, trains), (b, trains), (h, True)))
 
-    out = _segment_outputs(causal_conv1d, *inputs(), dy, dfinal, config=SMALL)
+    given = inputs()
+    out = _segment_outputs(causal_conv1d, *given, dy, dfinal, config=SMALL)
     ref = _segment_outputs(causal_conv1d_ref, *inputs(), dy, dfinal)
     ref64 = _segment_outputs(causal_conv1d_ref, *inputs(lambda t: t.detach().double()), dy.double(), dfinal.double())
     names = ["y", "final rows", "dx", "dw", "db", "dh"] if trains else ["y", "final rows", "dx", "dh"]
-    assert out[1].shape == (B, K - 1, C)
+    assert out[1].shape == (B, K - 1, C) and out[1].is_contiguous()
+    # a copy: a view of x would keep all of x alive wherever the final rows are kept (a tiled layer's carries)
+    assert out[1].untyped_storage().data_ptr() != given[0].untyped_storage().data_ptr()
     for name, got, expected, exact in zip(names, out, ref, ref64):
         assert got.shape == expected.shape and got.dtype == expected.dtype, name
         assert_close_by_rule(name, got, expected, exact)

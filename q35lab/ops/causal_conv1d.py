@@ -619,10 +619,11 @@ class CausalConv1dFunction(torch.autograd.Function):
 
 
 def _final_rows(x: torch.Tensor, h: torch.Tensor | None, K: int) -> torch.Tensor:
-    """The last K-1 rows of ``[h | x]`` (zeros for an absent ``h``), a new ``[B, K-1, C]`` tensor."""
+    """The last K-1 rows of ``[h | x]`` (zeros for an absent ``h``), a new ``[B, K-1, C]`` tensor:
+    never a view of ``x``, which a carry kept for the backward would keep alive whole."""
     B, T, C = x.shape
     if T >= K - 1:
-        return x[:, T - (K - 1):].contiguous() if K > 1 else x.new_empty(B, 0, C)
+        return x[:, T - (K - 1):].clone(memory_format=torch.contiguous_format)
     before = x.new_zeros(B, K - 1 - T, C) if h is None else h[:, T:].to(x.dtype)
     return torch.cat([before, x], dim=1)
 
