@@ -601,8 +601,8 @@ class _GatedDeltaNetTile:
 
     and hands on ``(last K−1 rows of [conv rows | qkv], S')``. q35lab's conv (patched) takes the
     carried rows as its initial rows and gives the last ones (``causal_conv1d(initial_rows=,
-    return_final_rows=True)``): ``rows`` is never made; any other conv gets the concatenation. The first tile has no carry (the
-    conv pads with zeros, S starts at zero: the module's own start). A tile shorter than K−1 hands
+    return_final_rows=True)``): ``rows`` is never made; any other conv gets the concatenation.
+    The first tile has no carry (the conv pads with zeros, S starts at zero: the module's own start). A tile shorter than K−1 hands
     on rows of earlier tiles too, so the conv of every tile sees exactly the rows it would see
     untiled. The carry is the conv's *input*, not x: the in_proj runs once per row, so LoRA dropout
     draws one mask per row as in the untiled module.

@@ -265,7 +265,8 @@ def _initial_rows_grad(dz, W, stride_wc, stride_wk, cols, col_mask, K: tl.conste
     for k in tl.static_range(1, K):
         behind = _rows_behind(k, BLOCK_T)
         dz_k = tl.gather(dz, tl.broadcast_to(behind[:, None], (BLOCK_T, BLOCK_C)), axis=0)
-        dh += tl.where((local >= k)[:, None], dz_k, 0.0) * _filter_tap(W, stride_wc, stride_wk, cols, col_mask, k)[None, :]
+        w_k = _filter_tap(W, stride_wc, stride_wk, cols, col_mask, k)
+        dh += tl.where((local >= k)[:, None], dz_k, 0.0) * w_k[None, :]
     return dh
 
 
@@ -357,21 +358,29 @@ def _causal_conv1d_bwd_kernel(
         if COMPUTE_DB:
             db_acc += dz_owned
         if COMPUTE_DW:
-            dw0 += _tap_product(x_base, stride_xt, h_base, stride_ht, dz_owned, rows, start, owned, cols, col_mask, 0, K, HAS_INIT)
+            dw0 += _tap_product(x_base, stride_xt, h_base, stride_ht, dz_owned, rows, start, owned, cols,
+                                col_mask, 0, K, HAS_INIT)
             if K > 1:
-                dw1 += _tap_product(x_base, stride_xt, h_base, stride_ht, dz_owned, rows, start, owned, cols, col_mask, 1, K, HAS_INIT)
+                dw1 += _tap_product(x_base, stride_xt, h_base, stride_ht, dz_owned, rows, start, owned, cols,
+                                    col_mask, 1, K, HAS_INIT)
             if K > 2:
-                dw2 += _tap_product(x_base, stride_xt, h_base, stride_ht, dz_owned, rows, start, owned, cols, col_mask, 2, K, HAS_INIT)
+                dw2 += _tap_product(x_base, stride_xt, h_base, stride_ht, dz_owned, rows, start, owned, cols,
+                                    col_mask, 2, K, HAS_INIT)
             if K > 3:
-                dw3 += _tap_product(x_base, stride_xt, h_base, stride_ht, dz_owned, rows, start, owned, cols, col_mask, 3, K, HAS_INIT)
+                dw3 += _tap_product(x_base, stride_xt, h_base, stride_ht, dz_owned, rows, start, owned, cols,
+                                    col_mask, 3, K, HAS_INIT)
             if K > 4:
-                dw4 += _tap_product(x_base, stride_xt, h_base, stride_ht, dz_owned, rows, start, owned, cols, col_mask, 4, K, HAS_INIT)
+                dw4 += _tap_product(x_base, stride_xt, h_base, stride_ht, dz_owned, rows, start, owned, cols,
+                                    col_mask, 4, K, HAS_INIT)
             if K > 5:
-                dw5 += _tap_product(x_base, stride_xt, h_base, stride_ht, dz_owned, rows, start, owned, cols, col_mask, 5, K, HAS_INIT)
+                dw5 += _tap_product(x_base, stride_xt, h_base, stride_ht, dz_owned, rows, start, owned, cols,
+                                    col_mask, 5, K, HAS_INIT)
             if K > 6:
-                dw6 += _tap_product(x_base, stride_xt, h_base, stride_ht, dz_owned, rows, start, owned, cols, col_mask, 6, K, HAS_INIT)
+                dw6 += _tap_product(x_base, stride_xt, h_base, stride_ht, dz_owned, rows, start, owned, cols,
+                                    col_mask, 6, K, HAS_INIT)
             if K > 7:
-                dw7 += _tap_product(x_base, stride_xt, h_base, stride_ht, dz_owned, rows, start, owned, cols, col_mask, 7, K, HAS_INIT)
+                dw7 += _tap_product(x_base, stride_xt, h_base, stride_ht, dz_owned, rows, start, owned, cols,
+                                    col_mask, 7, K, HAS_INIT)
         if COMPUTE_DX:
             dx = dz * _filter_tap(W, stride_wc, stride_wk, cols, col_mask, K - 1)[None, :]
             for s in tl.static_range(1, K):
