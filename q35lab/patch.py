@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import long_context, packed_attention
+from .long_context import tile_only_above as _tile_only_above  # the argument long_context hides the module
 from .ops._compile import opaque_to_compile
 from .ops.causal_conv1d import causal_conv1d
 from .ops.contiguous_rows import contiguous_rows
@@ -1217,8 +1218,9 @@ def apply_to_qwen3_5(
     ``long_context=N`` is the one switch for all three: it plans them for steps of up to N tokens
     (``long_context.plan_long_context``: the memory model against the model's GPU, the cheapest
     options first, none where the step fits as it is) and the report's ``long context`` line says
-    what it chose. A plan for N serves every shorter step too: a module tiles only a sequence
-    longer than its tile. Give either ``long_context`` or the three options, not both; the plan
+    what it chose. A plan for N serves every shorter step too: a step the plan predicts to fit
+    untiled (its ``untiled_up_to``) runs untiled, and a module tiles only a sequence longer than
+    its tile. Give either ``long_context`` or the three options, not both; the plan
     covers the dense models (a MoE model is refused) and warns where nothing it can choose fits.
 
     With PEFT, patch the wrapped model (after ``get_peft_model``). LoRA layers added after a
@@ -1297,6 +1299,8 @@ def apply_to_qwen3_5(
     _record_what_runs(model, report)
     if tiled_gdn:
         _report_tiled_gdn(model, tiled_gdn, report)
+    if plan is not None and plan.untiled_up_to:  # short steps need no tiles: they would pay launches for nothing
+        _tile_only_above(model, plan.untiled_up_to)
     if plan is not None:
         report.runs["long context"] = str(plan)
     return report

@@ -1236,6 +1236,11 @@ def test_apply_to_qwen3_5_long_context_plans_the_options_says_so_and_refuses_the
     model = _model(rank=rank, targets=GDN_TARGETS + MLP_TARGETS)
     report = q35lab.apply_to_qwen3_5(model, long_context=tokens)
     assert report.runs["long context"] == str(expected)
+    # a step the plan predicts to fit untiled runs untiled: every tiled forward knows how long that is
+    assert 0 < expected.untiled_up_to < tokens
+    assert f"tiles only in steps over {expected.untiled_up_to:,} tokens" in str(expected)
+    forwards = [vars(m)["forward"] for m in model.modules() if isinstance(vars(m).get("forward"), lc._TiledForward)]
+    assert len(forwards) == 4 and {f.untiled_up_to for f in forwards} == {expected.untiled_up_to}
     assert report.replaced[f"Qwen3_5MLP (tiled, {expected.tiled_mlp} tokens a tile)"] == 2
     assert report.replaced[f"Qwen3_5GatedDeltaNet (tiled, {expected.tiled_gdn} tokens a tile)"] == 1
     assert not any("offloaded" in name for name in report.replaced)
@@ -1247,6 +1252,53 @@ def test_apply_to_qwen3_5_long_context_plans_the_options_says_so_and_refuses_the
         q35lab.apply_to_qwen3_5(_model(), long_context=0)
     with pytest.raises(TypeError, match="long_context: Linear has no transformers config"):
         q35lab.apply_to_qwen3_5(torch.nn.Linear(4, 4), long_context=tokens)
+
+
+def test_the_plan_runs_untiled_every_step_its_memory_model_fits_untiled_with_the_same_offload():
+    from q35lab import e2e
+
+    config, GiB = e2e.config("9b"), 2**30
+    plan = _plan(config, 524288, gpu_bytes=125 * GiB, host_bytes=125 * GiB)
+    assert plan.tiled_gdn and plan.offload_layers
+    untiled = lc.bytes_per_token(config, offload=plan.offload_layers)
+    assert plan.untiled_up_to % 1024 == 0 and plan.tiled_gdn < plan.untiled_up_to < 524288
+    assert untiled.peak(plan.untiled_up_to) <= 125 * GiB < untiled.peak(plan.untiled_up_to + 1024)
+    assert _plan(config, 32768, host_bytes=125 * GiB).untiled_up_to == 0  # nothing tiled: nothing to say
+    assert _plan(config, 393216, gpu_bytes=139 * GiB, host_bytes=125 * GiB).untiled_up_to == 0  # offload only
+
+
+def test_tile_only_above_runs_steps_up_to_its_tokens_untiled_and_longer_ones_in_tiles(monkeypatch):
+    ids = torch.randint(0, 128, (2, 9), device=device())
+    plain = _model(targets="all-linear")
+    model = copy.deepcopy(plain)
+    q35lab.apply_to_qwen3_5(plain)
+    q35lab.apply_to_qwen3_5(model, tiled_gdn=4, tiled_mlp=4)
+    calls = []
+    for name in ("tiled_mlp", "tiled_gated_delta_net_layer"):
+        def counted(*args, _real=getattr(lc, name), _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(lc, name, counted)
+    tiled = _step(model, ids)
+    assert set(calls) == {"tiled_mlp", "tiled_gated_delta_net_layer"}
+    assert lc.tile_only_above(model, 18) == 4  # 2 rows of 9 tokens: untiled (a layer, its GatedDeltaNet, 2 MLPs)
+    calls.clear()
+    untiled = _step(model, ids)
+    assert calls == []
+    _assert_same(untiled, _step(plain, ids))  # the untiled model's step
+    _assert_same(tiled, untiled, rtol=1e-4, atol=1e-5)
+    lc.tile_only_above(model, 17)  # one token over: tiled again
+    calls.clear()
+    _step(model, ids)
+    assert "tiled_gated_delta_net_layer" in calls
+    lc.tile_only_above(model, 18)
+    assert pickle.loads(pickle.dumps(vars(_gdn(model))["forward"])).untiled_up_to == 18
+    q35lab.apply_to_qwen3_5(model, tiled_gdn=4, tiled_mlp=4)  # tiles given again: every longer sequence tiled
+    assert {vars(m)["forward"].untiled_up_to for m in model.modules()
+            if isinstance(vars(m).get("forward"), lc._TiledForward)} == {0}
+    for value, error in ((-1, ValueError), (1.5, TypeError), (True, TypeError), ("8", TypeError)):
+        with pytest.raises(error, match="tokens: expected an int of at least 0"):
+            lc.tile_only_above(model, value)
 
 
 def test_the_long_context_variant_plans_for_half_a_million_tokens_even_at_a_short_step():
