@@ -1269,8 +1269,9 @@ def test_the_plan_runs_untiled_every_step_its_memory_model_fits_untiled_with_the
 
 def test_tile_only_above_runs_steps_up_to_its_tokens_untiled_and_longer_ones_in_tiles(monkeypatch):
     ids = torch.randint(0, 128, (2, 9), device=device())
-    plain = _model(targets="all-linear")
-    model = copy.deepcopy(plain)
+    reference = _model(targets="all-linear")
+    ref64 = _step(_on_pytorch_core(copy.deepcopy(reference).double()), ids)
+    plain, model = copy.deepcopy(reference), copy.deepcopy(reference)
     q35lab.apply_to_qwen3_5(plain)
     q35lab.apply_to_qwen3_5(model, tiled_gdn=4, tiled_mlp=4)
     calls = []
@@ -1285,8 +1286,9 @@ def test_tile_only_above_runs_steps_up_to_its_tokens_untiled_and_longer_ones_in_
     calls.clear()
     untiled = _step(model, ids)
     assert calls == []
-    _assert_same(untiled, _step(plain, ids))  # the untiled model's step
-    _assert_same(tiled, untiled, rtol=1e-4, atol=1e-5)
+    fla = _fla_runs(model)
+    _assert_tiled_step(untiled, _step(plain, ids), ref64, fla, rtol=1e-5, atol=1e-6)  # the untiled model's step
+    _assert_tiled_step(tiled, untiled, ref64, fla, rtol=1e-4, atol=1e-5)
     lc.tile_only_above(model, 17)  # one token over: tiled again
     calls.clear()
     _step(model, ids)
