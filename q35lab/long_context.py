@@ -353,13 +353,17 @@ def _tiled_backward(ctx, grad_out):
             carry_grads = iter(grads[:len(leaves)])
             handed_back = None if carry_in is None else [next(carry_grads) if c.requires_grad else None
                                                          for c in carry_in]
+            totals, addends = [], []
             for i, g in zip(wanted, grads[len(leaves):]):
                 if g is None:
                     continue
                 if i not in sums:
                     sums[i] = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g.clone()
                 else:
-                    sums[i].add_(g)
+                    totals.append(sums[i])
+                    addends.append(g)
+            if totals:  # one multi-tensor launch a tile, not one small kernel per parameter
+                torch._foreach_add_(totals, addends)
     param_grads = []
     for i, p in enumerate(ctx.params):
         g = sums.get(i)
