@@ -1104,8 +1104,8 @@ def tile_only_above(model: torch.nn.Module, tokens: int) -> int:
     at most ``tokens`` tokens (rows × sequence), tiling only longer ones; 0 tiles every sequence
     longer than a tile again. How many tiled modules there were.
 
-    Tiles trade launches for memory: in tiles of 8192 tokens a 9B step at 32k costs 3.8% more
-    (H100, ffbcd4d) for memory it does not need. ``apply_to_qwen3_5(long_context=N)`` sets this to
+    Tiles trade launches for memory: in tiles of 8192 tokens a 9B step at 32k costs 1.6% more
+    (H100, a2eda82) for memory it does not need. ``apply_to_qwen3_5(long_context=N)`` sets this to
     the longest step its plan predicts to fit untiled (``LongContextPlan.untiled_up_to``), so that
     a mix of short and long rows pays for tiles on the long ones only."""
     if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral):
@@ -2028,7 +2028,7 @@ def plan_long_context(config, tokens: int, *, gpu_bytes: float = H200_USABLE_BYT
     the checkpoint offload (+0.07%: copies on a side stream) with the fewest layers that fit, then
     the tiled MLP (+1.1%: its recompute skips the down GEMM), then the tiled GatedDeltaNet as
     well, at one tile size for both (+10.9% when it ran one GatedDeltaNet forward more; tiled with
-    its whole decoder layer, +3.8% on an H100, ffbcd4d). The tile is the largest of
+    its whole decoder layer, +1.6% on an H100, a2eda82). The tile is the largest of
     ``PLAN_TILES`` shorter than ``tokens`` that fits: a tile costs the same recompute whatever its
     size, and larger tiles are fewer launches. (At
     Qwen3.5's own sizes the GatedDeltaNet's backward is the peak, so the MLP alone never helps and

@@ -152,7 +152,7 @@ case $stage in
       beside_own_call long_context.csv 180 $v 32768 --size 9b --steps 3
     done
     ;;
-  tiled_profile)  # where the whole-layer tiled GatedDeltaNet's cost at 32k goes (+3.8% on the H100, ffbcd4d): the
+  tiled_profile)  # where the whole-layer tiled GatedDeltaNet's cost at 32k goes (+3.8% on the H100 at ffbcd4d, +1.6% at a2eda82): the
     # 9B's dimensions with 4 layers (3 GatedDeltaNet layers), untiled and in tiles of 8192 and 16384, each step
     # timed, then profiled by kernel group (scripts/profile_tiled_layer.py: tiled_layer_profile.csv), ~3 min
     STEPS=profile TIMEOUT_profile=${TIMEOUT_profile:-300} bash scripts/gpu_run.sh
