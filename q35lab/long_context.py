@@ -48,6 +48,7 @@ import torch
 
 from .ops._autograd import first_order_only
 from .ops._compile import opaque_to_compile
+from .ops._prepared import shared_preparations
 from .ops.causal_conv1d import causal_conv1d
 from .ops.swiglu import is_unread, unread_down_outputs
 
@@ -180,23 +181,24 @@ def _run_tiles(tiles: _Tiles, x: torch.Tensor, record_rng: bool, keep_carries: b
     in 8192-token tiles would otherwise hold 64 states of 2 MiB until the call returns."""
     tokens = x.shape[-2]
     out, carry, carries = None, None, []
-    for start, end in tiles.bounds(tokens):
-        if record_rng:
-            tiles.record_rng()
-        if keep_carries:
-            carries.append(carry)
-        # detached: a view made without grad of an input that requires it claims to require grad with no
-        # node behind it, which a module hook registering gradient hooks on inputs rejects (torch's ModuleTracker)
-        piece = x[..., start:end, :].detach()
-        y, carry = tiles.step(piece, carry, (start, end))
-        y = _summed(y)
-        if not isinstance(y, torch.Tensor) or y.dim() != piece.dim() or y.shape[:-1] != piece.shape[:-1]:
-            got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
-            raise ValueError(f"{tiles.name}: expected a tensor of shape {tuple(piece.shape[:-1])} + (N,) for a tile "
-                             f"of shape {tuple(piece.shape)}, got {got}")
-        if out is None:
-            out = y.new_empty((*x.shape[:-2], tokens, y.shape[-1]))
-        out[..., start:end, :].copy_(y)
+    with shared_preparations():  # the projections' weight-only casts: built by the first tile, reused
+        for start, end in tiles.bounds(tokens):
+            if record_rng:
+                tiles.record_rng()
+            if keep_carries:
+                carries.append(carry)
+            # detached: a view made without grad of an input that requires it claims to require grad with no
+            # node behind it, which a module hook registering gradient hooks on inputs rejects (torch's ModuleTracker)
+            piece = x[..., start:end, :].detach()
+            y, carry = tiles.step(piece, carry, (start, end))
+            y = _summed(y)
+            if not isinstance(y, torch.Tensor) or y.dim() != piece.dim() or y.shape[:-1] != piece.shape[:-1]:
+                got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
+                raise ValueError(f"{tiles.name}: expected a tensor of shape {tuple(piece.shape[:-1])} + (N,) for a "
+                                 f"tile of shape {tuple(piece.shape)}, got {got}")
+            if out is None:
+                out = y.new_empty((*x.shape[:-2], tokens, y.shape[-1]))
+            out[..., start:end, :].copy_(y)
     return out, carries
 
 
@@ -321,7 +323,7 @@ def _tiled_backward(ctx, grad_out):
     handed_back = None  # the gradient of the carry the tile being recomputed hands on (tile i+1's)
     bounds = tiles.bounds(x.shape[-2])
     with torch.random.fork_rng(devices=tiles.rng_devices, enabled=tiles.preserve_rng_state,
-                               device_type=tiles.device_type if tiles.rng_devices else "cuda"):
+                               device_type=tiles.device_type if tiles.rng_devices else "cuda"), shared_preparations():
         # a scan's carries chain the tiles backwards; a per-token map's are independent (in order)
         order = reversed(range(len(bounds))) if tiles.scan else range(len(bounds))
         for index in order:

@@ -51,7 +51,9 @@ import torch
 from ._autograd import first_order_only
 from ._checks import check_float_tensor, check_same_device
 from ._compile import opaque_to_compile
-from .lora import _check_dropout, _check_scaling, _compute_dtype, _dropped, _rows, _scaled_product, dropout_mask
+from ._prepared import prepared
+from .lora import (_cast, _check_dropout, _check_scaling, _compute_dtype, _dropped, _rows, _scaled, _scaled_product,
+                   dropout_mask)
 
 __all__ = ["Projection", "ConcatCache", "pack_rows", "unpack_rows", "fused_lora_projections",
            "fused_lora_projections_ref"]
@@ -176,12 +178,14 @@ class FusedLoRAProjectionsFunction(torch.autograd.Function):
         if lora_meta:
             shared_input = all(dropout == 0.0 for _, _, dropout, _ in lora_meta)
             if shared_input:  # one GEMM for every adapter's A
-                xa = x2d @ torch.cat([a.to(dtype) for a in A_list]).t()
+                xa = x2d @ prepared(lambda: torch.cat([_cast(a, dtype) for a in A_list]), "A rows", dtype, *A_list).t()
             else:
-                xa = torch.cat([_dropped(x2d, dropout, seed) @ a.to(dtype).t()
+                xa = torch.cat([_dropped(x2d, dropout, seed) @ _cast(a, dtype).t()
                                 for a, (_, _, dropout, seed) in zip(A_list, lora_meta)], dim=1)
             # every adapter's s·xa_i·B_iᵀ against one block-diagonal [ΣN, Σr] matrix (_projected)
-            b_block = _block_diagonal_b(lora_meta, B_list, offsets, dtype, x2d.device)
+            placement = tuple(offsets) + tuple((index, scaling) for index, scaling, _, _ in lora_meta)
+            b_block = prepared(lambda: _block_diagonal_b(lora_meta, B_list, offsets, dtype, x2d.device), "B block",
+                               dtype, placement, *B_list)
         else:
             xa, b_block = x2d.new_empty(0), None
         outputs = []
@@ -206,10 +210,12 @@ class FusedLoRAProjectionsFunction(torch.autograd.Function):
         # Each output's gradient is used as autograd hands it over: gathering them into one
         # [T, ΣN] buffer for a single dy·W GEMM copied ΣN·T values (0.8 GB at 32k tokens).
         dys = [None if g is None else g.reshape(T, n).to(dtype) for g, n in zip(grads, out_features)]
-        weights = [weight_cat[offsets[i]:offsets[i + 1]] for i in range(len(out_features))]
+        # views of one identity a tiled call long: the narrow ones join _input_gradient's shared concatenation
+        weights = [prepared(lambda: weight_cat[offsets[i]:offsets[i + 1]], "rows of", weight_cat, offsets[i], offsets[i + 1])
+                   for i in range(len(out_features))]
         A_list, B_list = adapters[0::2], adapters[1::2]
         xa_list = torch.split(xa, [a.shape[0] for a in A_list], dim=1) if lora_meta else []
-        dxa_list = [None if dys[i] is None else dys[i] @ (b * s).to(dtype)  # s_i · dy_i·B_i
+        dxa_list = [None if dys[i] is None else dys[i] @ _scaled(b, s, dtype)  # s_i · dy_i·B_i
                     for (i, s, _, _), b in zip(lora_meta, B_list)]
         dx = _input_gradient(x2d, dys, weights, lora_meta, A_list, dxa_list)
         adapter_grads = []
@@ -245,7 +251,7 @@ def _input_gradient(x2d, dys, weights, lora_meta, A_list, dxa_list) -> torch.Ten
         if dropout:
             masked.append((dxa, a, dropout, seed))
         else:
-            thin.append((dxa, a.to(dtype)))
+            thin.append((dxa, _cast(a, dtype)))
     for dy, w in zip(dys, weights):
         if dy is None:
             continue
@@ -256,9 +262,9 @@ def _input_gradient(x2d, dys, weights, lora_meta, A_list, dxa_list) -> torch.Ten
     dx = None
     if thin:
         lefts, rights = zip(*thin)
-        dx = torch.cat(lefts, dim=1) @ torch.cat(rights)
+        dx = torch.cat(lefts, dim=1) @ prepared(lambda: torch.cat(rights), "rows", *rights)
     for dxa, a, dropout, seed in masked:  # the forward's mask for this projection, regenerated
-        lora_dx = (dxa @ a.to(dtype)).mul_(dropout_mask(x2d, dropout, seed)).div_(1.0 - dropout)
+        lora_dx = (dxa @ _cast(a, dtype)).mul_(dropout_mask(x2d, dropout, seed)).div_(1.0 - dropout)
         dx = lora_dx if dx is None else dx.add_(lora_dx)
     for dy, w in wide:
         dx = dy @ w if dx is None else dx.addmm_(dy, w)

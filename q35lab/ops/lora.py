@@ -42,6 +42,7 @@ import torch
 from ._autograd import first_order_only
 from ._checks import check_float_tensor, check_same_device
 from ._compile import opaque_to_compile
+from ._prepared import prepared
 
 __all__ = ["lora_linear", "lora_linear_ref", "dropout_mask", "LoRALinearFunction"]
 
@@ -124,7 +125,7 @@ def _input_grad(dy2d, weight, dxa, lora_A, dropout: float = 0.0, seed: int = 0) 
     dtype = dy2d.dtype
     if dxa is None:
         return dy2d @ weight.to(dtype)
-    dx = dxa @ lora_A.to(dtype)
+    dx = dxa @ _cast(lora_A, dtype)
     if dropout:
         dx.mul_(dropout_mask(dx, dropout, seed)).div_(1.0 - dropout)
     return dx.addmm_(dy2d, weight.to(dtype))
@@ -162,7 +163,7 @@ class LoRALinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, lora_A, lora_B, scaling: float, dropout: float, seed: int):
         dtype, T = x.dtype, _rows(x)
         x2d = x.reshape(T, x.shape[-1])
-        a, b_scaled = lora_A.to(dtype), (lora_B * scaling).to(dtype)  # rank-r: cheap casts
+        a, b_scaled = _cast(lora_A, dtype), _scaled(lora_B, scaling, dtype)  # rank-r: cheap casts
         xa = _dropped(x2d, dropout, seed) @ a.t()  # [T, r]
         # Returned in its final shape (written through a [T, N] view): a view made here could not
         # be edited in place by the caller.
@@ -181,7 +182,7 @@ class LoRALinearFunction(torch.autograd.Function):
         needs_x, needs_w, needs_b, needs_a, needs_bm = ctx.needs_input_grad[:5]
         dtype = x2d.dtype
         dy2d = dy.reshape(x2d.shape[0], dy.shape[-1]).to(dtype)
-        dxa = dy2d @ (lora_B * ctx.scaling).to(dtype)  # [T, r]: s · dy·B
+        dxa = dy2d @ _scaled(lora_B, ctx.scaling, dtype)  # [T, r]: s · dy·B
         dx = dA = dB = dW = db = None
         if needs_x:
             dx = _input_grad(dy2d, weight, dxa, lora_A, ctx.dropout, ctx.seed).view(ctx.x_shape)
@@ -194,6 +195,16 @@ class LoRALinearFunction(torch.autograd.Function):
         if needs_b:
             db = dy2d.sum(0).to(ctx.bias_dtype)
         return dx, dW, db, dA, dB, None, None, None
+
+
+def _cast(factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A LoRA factor in the activations' dtype (shared by a tiled call's tiles: ``_prepared``)."""
+    return prepared(lambda: factor.to(dtype), "cast", factor, dtype)
+
+
+def _scaled(lora_B: torch.Tensor, scaling: float, dtype: torch.dtype) -> torch.Tensor:
+    """``s·B`` in the activations' dtype (shared by a tiled call's tiles: ``_prepared``)."""
+    return prepared(lambda: (lora_B * scaling).to(dtype), "scaled", lora_B, scaling, dtype)
 
 
 def _scaled_product(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
