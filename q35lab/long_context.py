@@ -392,11 +392,14 @@ class TiledGDNFunction(_TiledFunction):
         return _tiled_backward(ctx, grad_out)
 
 
-def _check_tile_tokens(tile_tokens: object, name: str = "tile_tokens", what: str = "tokens per tile") -> int:
+def _check_tile_tokens(tile_tokens: object, name: str = "tile_tokens", what: str = "tokens per tile",
+                       minimum: int = 1) -> int:
+    """A count of tokens: an int of at least ``minimum`` (a tile's size and a step's: 1)."""
+    expected = "a positive int" if minimum == 1 else f"an int of at least {minimum}"
     if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, numbers.Integral):
-        raise TypeError(f"{name}: expected a positive int ({what}), got {tile_tokens!r}")
-    if tile_tokens < 1:
-        raise ValueError(f"{name}: expected a positive int ({what}), got {tile_tokens}")
+        raise TypeError(f"{name}: expected {expected} ({what}), got {tile_tokens!r}")
+    if tile_tokens < minimum:
+        raise ValueError(f"{name}: expected {expected} ({what}), got {tile_tokens}")
     return int(tile_tokens)
 
 
@@ -609,10 +612,10 @@ class _GatedDeltaNetTile:
     and hands on ``(last K−1 rows of [conv rows | qkv], S')``. q35lab's conv (patched) takes the
     carried rows as its initial rows and gives the last ones (``causal_conv1d(initial_rows=,
     return_final_rows=True)``): ``rows`` is never made; any other conv gets the concatenation.
-    The first tile has no carry (the conv pads with zeros, S starts at zero: the module's own start). A tile shorter than K−1 hands
-    on rows of earlier tiles too, so the conv of every tile sees exactly the rows it would see
-    untiled. The carry is the conv's *input*, not x: the in_proj runs once per row, so LoRA dropout
-    draws one mask per row as in the untiled module.
+    The first tile has no carry (the conv pads with zeros, S starts at zero: the module's own
+    start). A tile shorter than K−1 hands on rows of earlier tiles too, so the conv of every
+    tile sees exactly the rows it would see untiled. The carry is the conv's *input*, not x: the
+    in_proj runs once per row, so LoRA dropout draws one mask per row as in the untiled module.
     """
 
     def __init__(self, gdn: torch.nn.Module, attention_mask: torch.Tensor | None, kwargs: dict):
@@ -917,7 +920,8 @@ class TiledMLPForward(_TiledForward):
     """An MLP's forward through ``tiled_mlp``; calls with extra arguments go to the wrapped forward untiled."""
 
     def __call__(self, x, *args, **kwargs):
-        if args or kwargs or not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[:-1].numel() <= self.untiled_up_to:
+        if (args or kwargs or not isinstance(x, torch.Tensor) or x.dim() < 2
+                or x.shape[:-1].numel() <= self.untiled_up_to):
             return self.untiled(x, *args, **kwargs)
         params = [p for p in self.module.parameters() if p.requires_grad]
         return tiled_mlp(self.untiled, x, self.tile_tokens, params=params)
@@ -1110,13 +1114,10 @@ def tile_only_above(model: torch.nn.Module, tokens: int) -> int:
     (H100, a2eda82) for memory it does not need. ``apply_to_qwen3_5(long_context=N)`` sets this to
     the longest step its plan predicts to fit untiled (``LongContextPlan.untiled_up_to``), so that
     a mix of short and long rows pays for tiles on the long ones only."""
-    if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral):
-        raise TypeError(f"tokens: expected an int of at least 0 (the longest step to run untiled), got {tokens!r}")
-    if tokens < 0:
-        raise ValueError(f"tokens: expected an int of at least 0 (the longest step to run untiled), got {tokens}")
+    tokens = _check_tile_tokens(tokens, "tokens", "the longest step to run untiled", minimum=0)
     tiled = [forward for m in model.modules() if isinstance(forward := vars(m).get("forward"), _TiledForward)]
     for forward in tiled:
-        forward.untiled_up_to = int(tokens)
+        forward.untiled_up_to = tokens
     return len(tiled)
 
 

@@ -9,9 +9,10 @@ of them four times over, with the same result every time. Inside ``shared_prepar
 first call builds a preparation and the later ones with the same key reuse it; outside it every
 call builds its own, as before.
 
-A key is the preparation's name, plain values, and tensors by identity and version (an in-place
-update bumps ``_version``, so a changed weight is prepared again). The cache holds the key's
-tensors, so no identity is reused while it lives; it lives for one ``with`` block.
+A key is the preparation's name, plain values, and tensors by the memory they read (address,
+dtype, shape, strides: a view made again per call, such as a weight's rows, matches) and their
+version (an in-place update bumps ``_version``, so a changed weight is prepared again). The cache
+holds the key's tensors, so no address is reused while it lives; it lives for one ``with`` block.
 """
 
 from __future__ import annotations
@@ -43,8 +44,14 @@ def prepared(build, name: str, *key) -> torch.Tensor:
     cache = _CACHE.get()
     if cache is None:
         return build()
-    lookup = (name, *((id(k), k._version) if isinstance(k, torch.Tensor) else k for k in key))
+    lookup = (name, *(_memory(k) if isinstance(k, torch.Tensor) else k for k in key))
     entry = cache.get(lookup)
     if entry is None:
         entry = cache[lookup] = (key, build())  # the key's tensors held: their ids stay theirs
     return entry[1]
+
+
+def _memory(t: torch.Tensor) -> tuple:
+    """What a tensor reads, as a key: equal for two views of the same elements, and changed by an
+    in-place update of them."""
+    return t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t._version

@@ -210,9 +210,7 @@ class FusedLoRAProjectionsFunction(torch.autograd.Function):
         # Each output's gradient is used as autograd hands it over: gathering them into one
         # [T, ΣN] buffer for a single dy·W GEMM copied ΣN·T values (0.8 GB at 32k tokens).
         dys = [None if g is None else g.reshape(T, n).to(dtype) for g, n in zip(grads, out_features)]
-        # views of one identity a tiled call long: the narrow ones join _input_gradient's shared concatenation
-        weights = [prepared(lambda: weight_cat[offsets[i]:offsets[i + 1]], "rows of", weight_cat, offsets[i], offsets[i + 1])
-                   for i in range(len(out_features))]
+        weights = [weight_cat[offsets[i]:offsets[i + 1]] for i in range(len(out_features))]
         A_list, B_list = adapters[0::2], adapters[1::2]
         xa_list = torch.split(xa, [a.shape[0] for a in A_list], dim=1) if lora_meta else []
         dxa_list = [None if dys[i] is None else dys[i] @ _scaled(b, s, dtype)  # s_i · dy_i·B_i
