@@ -91,6 +91,7 @@ __all__ = [
     "lora_parameter_count",
     "plan_offload_layers",
     "plan_long_context",
+    "longest_planned_step",
     "LongContextPlan",
     "expandable_segments",
     "PLAN_TILES",
@@ -2070,6 +2071,44 @@ def plan_long_context(config, tokens: int, *, gpu_bytes: float = H200_USABLE_BYT
                            tiled_gdn=settings.get("tiled_gdn_tokens"), offload_layers=layers, fits=fits, model=model,
                            gpu_bytes=gpu_bytes, host_known=host_known, expandable_segments=expandable_segments(),
                            untiled_up_to=untiled_up_to)
+
+
+def longest_planned_step(config, *, gpu_bytes: float = H200_USABLE_BYTES, host_bytes: float | None = None,
+                         host_reserve_bytes: float | None = None, multiple: int = 1024,
+                         **model_settings) -> LongContextPlan:
+    """The plan for the longest step (a multiple of ``multiple`` tokens) that ``plan_long_context``
+    predicts to fit ``gpu_bytes`` with the host memory given (the same arguments as there): the
+    question a long-context user asks first, "how long can I train here?". Where not even
+    ``multiple`` tokens fit, that plan, with ``fits=False``.
+
+    Found by bisection, which takes "fits" to hold for every step shorter than one that fits (the
+    longer step's options serve it, with less memory). It starts between the longest step that
+    fits untiled and the longest that the most frugal options fit (the smallest tiles, and every
+    layer in host memory as far as the host holds them)."""
+    multiple = _check_tile_tokens(multiple, "multiple", "the step's granularity in tokens")
+    gpu_bytes = _memory_bytes(gpu_bytes, "gpu_bytes")
+    if host_bytes is None:
+        host_bytes = host_memory_available()
+    if host_reserve_bytes is None:
+        host_reserve_bytes = default_host_reserve()
+    settings = dict(gpu_bytes=gpu_bytes, host_bytes=host_bytes, host_reserve_bytes=host_reserve_bytes, **model_settings)
+
+    def plan(units: int) -> LongContextPlan:  # a step of `units` multiples
+        return plan_long_context(config, units * multiple, **settings)
+
+    lo = max(1, bytes_per_token(config, **model_settings).longest_fit(gpu_bytes, multiple=multiple) // multiple)
+    if not plan(lo).fits:
+        return plan(1)
+    smallest, room = min(PLAN_TILES), None if host_bytes is None else max(0.0, host_bytes - host_reserve_bytes)
+    frugal = [bytes_per_token(config, tiled_mlp_tokens=smallest, tiled_gdn_tokens=smallest, offload=k,
+                              **model_settings) for k in (0, _dims(config).L)]
+    hi = max([lo] + [m.longest_fit(gpu_bytes, room, multiple=multiple) // multiple for m in frugal]) + 1
+    while plan(hi).fits:  # not a bound after all: look further
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:  # lo fits, hi does not
+        middle = (lo + hi) // 2
+        lo, hi = (middle, hi) if plan(middle).fits else (lo, middle)
+    return plan(lo)
 
 
 def _memory_bytes(value: object, name: str) -> float:

@@ -1354,6 +1354,42 @@ def test_a_plan_without_host_memory_does_not_offload_and_one_that_cannot_fit_war
         q35lab.apply_to_qwen3_5(_model(), long_context=4096)
 
 
+@pytest.mark.parametrize("gpu_gib, host_gib, multiple", [(139, 128, 1024), (139, 100, 4096), (79.18, 128, 1024),
+                                                         (139, 0, 1024), (47.5, 31, 3072)])
+def test_the_longest_planned_step_fits_and_one_multiple_more_does_not(gpu_gib, host_gib, multiple):
+    from q35lab import e2e
+
+    config, GiB = e2e.config("9b"), 2**30
+    settings = dict(gpu_bytes=gpu_gib * GiB, host_bytes=host_gib * GiB, host_reserve_bytes=lc.HOST_RESERVE_BYTES)
+    longest = lc.longest_planned_step(config, multiple=multiple, **settings)
+    assert longest.fits and longest.tokens % multiple == 0
+    assert longest.model.peak(longest.tokens) <= settings["gpu_bytes"]
+    assert longest.tokens * longest.model.host_per_token <= max(0, settings["host_bytes"] - lc.HOST_RESERVE_BYTES)
+    assert longest == lc.plan_long_context(config, longest.tokens, **settings)  # the plan a user gets for it
+    assert not lc.plan_long_context(config, longest.tokens + multiple, **settings).fits
+    # what the bisection takes for granted, on a grid below: every shorter step fits too
+    for tokens in range(multiple, longest.tokens, max(multiple, longest.tokens // 37 // multiple * multiple)):
+        assert lc.plan_long_context(config, tokens, **settings).fits, tokens
+    # beyond what fits untiled only with options (and offload only where the host has room)
+    untiled = lc.bytes_per_token(config).longest_fit(settings["gpu_bytes"])
+    assert longest.tokens > untiled and (longest.tiled_gdn or longest.offload_layers)
+    assert bool(longest.offload_layers) == (host_gib * GiB > lc.HOST_RESERVE_BYTES)
+
+
+def test_the_longest_planned_step_where_nothing_fits_and_bad_arguments():
+    from q35lab import e2e
+
+    config, GiB = e2e.config("9b"), 2**30
+    none = lc.longest_planned_step(config, gpu_bytes=1 * GiB, host_bytes=0, multiple=2048)
+    assert not none.fits and none.tokens == 2048 and "does not fit even so" in str(none)
+    with pytest.raises(ValueError, match=r"multiple: expected a positive int \(the step's granularity in tokens\)"):
+        lc.longest_planned_step(config, host_bytes=0, multiple=0)
+    with pytest.raises(TypeError, match="multiple: expected a positive int"):
+        lc.longest_planned_step(config, host_bytes=0, multiple=1024.0)
+    with pytest.raises(ValueError, match="gpu_bytes: expected a number of bytes"):
+        lc.longest_planned_step(config, gpu_bytes=-1)
+
+
 def test_the_options_are_off_unless_asked_for_and_the_patched_step_is_the_same_either_way():
     """Off costs nothing because nothing is installed: the default patch adds no tile, no offload, and
     no report entry, and its step is the one a patch with the options left at their defaults makes."""
