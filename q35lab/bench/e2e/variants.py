@@ -82,8 +82,9 @@ def prepare(model, variant: str, tokens: int | None = None, batch: str | None = 
 
 
 def report_text(report) -> str:
-    """A patch report as a CSV row keeps it: one line, at most 2000 characters ("" for none)."""
-    return " ".join(str(report).split())[:2000] if report else ""
+    """A patch report as a CSV row keeps it: one line, at most 4000 characters ("" for none); the
+    long-context plan comes last, and 2000 characters cut it (2cd76b4's row)."""
+    return " ".join(str(report).split())[:4000] if report else ""
 
 
 def _flags(variant: str) -> dict:
