@@ -2081,29 +2081,23 @@ def longest_planned_step(config, *, gpu_bytes: float = H200_USABLE_BYTES, host_b
     question a long-context user asks first, "how long can I train here?". Where not even
     ``multiple`` tokens fit, that plan, with ``fits=False``.
 
-    Found by bisection, which takes "fits" to hold for every step shorter than one that fits (the
-    longer step's options serve it, with less memory). It starts between the longest step that
-    fits untiled and the longest that the most frugal options fit (the smallest tiles, and every
-    layer in host memory as far as the host holds them)."""
+    Found by doubling from the longest step that fits untiled, then bisection, which takes "fits"
+    to hold for every step shorter than one that fits (the longer step's options serve it, with
+    less memory). The host memory is read once, so that every candidate is planned against the same."""
     multiple = _check_tile_tokens(multiple, "multiple", "the step's granularity in tokens")
-    gpu_bytes = _memory_bytes(gpu_bytes, "gpu_bytes")
     if host_bytes is None:
         host_bytes = host_memory_available()
-    if host_reserve_bytes is None:
-        host_reserve_bytes = default_host_reserve()
     settings = dict(gpu_bytes=gpu_bytes, host_bytes=host_bytes, host_reserve_bytes=host_reserve_bytes, **model_settings)
 
     def plan(units: int) -> LongContextPlan:  # a step of `units` multiples
         return plan_long_context(config, units * multiple, **settings)
 
-    lo = max(1, bytes_per_token(config, **model_settings).longest_fit(gpu_bytes, multiple=multiple) // multiple)
+    lo = max(1, bytes_per_token(config, **model_settings).longest_fit(_memory_bytes(gpu_bytes, "gpu_bytes"),
+                                                                      multiple=multiple) // multiple)
     if not plan(lo).fits:
         return plan(1)
-    smallest, room = min(PLAN_TILES), None if host_bytes is None else max(0.0, host_bytes - host_reserve_bytes)
-    frugal = [bytes_per_token(config, tiled_mlp_tokens=smallest, tiled_gdn_tokens=smallest, offload=k,
-                              **model_settings) for k in (0, _dims(config).L)]
-    hi = max([lo] + [m.longest_fit(gpu_bytes, room, multiple=multiple) // multiple for m in frugal]) + 1
-    while plan(hi).fits:  # not a bound after all: look further
+    hi = 2 * lo
+    while plan(hi).fits:
         lo, hi = hi, 2 * hi
     while hi - lo > 1:  # lo fits, hi does not
         middle = (lo + hi) // 2
