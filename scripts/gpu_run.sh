@@ -94,6 +94,9 @@ done
 # where the whole-layer tiled GatedDeltaNet's cost goes: untiled and tiled steps of a 4-layer 9B, profiled
 [[ $STEPS == *profile* ]] && step profile python3 scripts/profile_tiled_layer.py ${PROFILE_ARGS:-} \
     --out data/bench/$gpu/tiled_layer_profile.csv
+# what a Qwen3.5 attention layer's SDPA backward allocates per token (the H100 search's last out of memory)
+[[ $STEPS == *attnmem* ]] && step attnmem python3 scripts/attention_backward_memory.py \
+    --out data/bench/$gpu/attention_backward_memory.csv
 if [[ $STEPS == *overhead* ]]; then
   step overhead python3 scripts/host_overhead.py data/bench/$gpu/offset_rms_norm_host_overhead.csv
 fi
