@@ -1,4 +1,4 @@
-"""Command line: python -m q35lab {bench,check,plots}.
+"""Command line: python -m q35lab {bench,check,plots,plan}.
 
   bench [OPS...] [--quick]  on a GPU, sweep the ops against their peers and write
                             data/bench/<gpu>/<op>.csv, the numerics at real sizes and the figures;
@@ -6,6 +6,10 @@
                             interpreter instead (speed needs a GPU)
   check [OPS...]            the numerics rule only (real sizes on a GPU, tiny ones on a CPU)
   plots [--data FOLDER]     redraw data/figures/ from the committed CSVs
+  plan [--size S | --config C] [--tokens T] [--gpu-gib G] [--host-gib H]
+                            how long a Qwen3.5 LoRA step can be here: the longest step the memory
+                            model predicts to fit, or with --tokens the plan for that step, and the
+                            apply_to_qwen3_5(model, long_context=...) call that turns it on
 
 The results folder is --out / --data when given, else $Q35LAB_DATA, else the checkout's data/
 (or ./data when q35lab is installed rather than run from a checkout).
@@ -101,11 +105,33 @@ def _folder(text: str) -> Path:
     return path
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (tokens, a LoRA rank)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
+def _gibibytes(text: str) -> float:
+    """An argparse type: a memory size in GiB, a finite number of at least 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a size in GiB (a finite number, at least 0), got {text!r}")
+    return value
+
+
 def _parser(known: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m q35lab", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=f"ops: {', '.join(known)}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,check,plots}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,check,plots,plan}")
     ops_help = f"ops to run (default: all): {', '.join(known)}"
     bench = sub.add_parser("bench", help="sweep ops against peers (GPU) or smoke-check them (CPU)",
                            description="Sweep ops against their peers on a GPU; without one, run the "
@@ -124,7 +150,74 @@ def _parser(known: list[str]) -> argparse.ArgumentParser:
                            description="Redraw <data>/figures from the CSVs under <data>/bench.")
     plots.add_argument("--data", type=_folder, default=None,
                        help="results folder to read (default: $Q35LAB_DATA, else the checkout's data/, else ./data)")
+    plan = sub.add_parser("plan", help="how long a Qwen3.5 LoRA step can be on this GPU (or another)",
+                          description="The long-context plan of the memory model (q35lab.long_context): "
+                                      "without --tokens the longest step predicted to fit, with it the "
+                                      "options a step of that length needs; exits 1 when it does not fit.")
+    model = plan.add_mutually_exclusive_group()
+    model.add_argument("--size", choices=_dense_sizes(), default=None,
+                       help="a dense Qwen3.5 checkpoint's dimensions (default: 9b; the memory model "
+                            "does not cover the MoE)")
+    model.add_argument("--config", default=None, metavar="PATH",
+                       help="a Qwen3.5 config instead: a config.json, or the folder or hub id holding it")
+    plan.add_argument("--tokens", type=_positive_int, default=None, help="plan for a step of this many tokens")
+    plan.add_argument("--gpu-gib", type=_gibibytes, default=None,
+                      help="the GPU memory a step may use (default: this machine's CUDA device; "
+                           "without one, an H200's 139 GiB)")
+    plan.add_argument("--host-gib", type=_gibibytes, default=None,
+                      help="the host memory the checkpoint offload may take, of which it leaves "
+                           "min(16 GiB, a quarter) free (default: what this machine has available; 0: no offload)")
+    plan.add_argument("--rank", type=_positive_int, default=16, help="the LoRA rank on every linear layer (default: 16)")
     return parser
+
+
+def _dense_sizes() -> list[str]:
+    from .bench.e2e.model import SIZES
+
+    return sorted(size for size, dims in SIZES.items() if not dims.get("moe"))
+
+
+def _plan(parser: argparse.ArgumentParser, args) -> int:
+    """Print the plan and the call that turns it on; 0 when it is predicted to fit."""
+    import torch
+
+    from . import long_context
+
+    if args.config is None:
+        from .bench.e2e.model import config as sized_config
+
+        config = sized_config(args.size or "9b")
+    else:
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(args.config)
+        except (OSError, ValueError) as error:
+            parser.error(f"--config: expected a Qwen3.5 config.json, or a folder or hub id holding one: {error}")
+        text = config.get_text_config()
+        if getattr(text, "num_experts", None) or not hasattr(text, "linear_num_key_heads"):
+            parser.error(f"--config: expected a dense Qwen3.5 config (the memory model covers those, not the "
+                         f"MoE), got {type(text).__name__}")
+    if args.gpu_gib is not None:
+        gpu = args.gpu_gib * 2**30
+    elif torch.cuda.is_available():
+        gpu = long_context.usable_gpu_bytes("cuda")
+    else:
+        gpu = long_context.H200_USABLE_BYTES
+        print(f"No CUDA GPU here: planning for an H200 ({gpu / 2**30:.0f} GiB); --gpu-gib plans for another.")
+    host, reserve = None, None
+    if args.host_gib is not None:  # another machine's: its reserve by the rule the offload keeps on this one
+        host = args.host_gib * 2**30
+        reserve = min(long_context.HOST_RESERVE_BYTES, host / 4)
+    settings = dict(gpu_bytes=gpu, host_bytes=host, host_reserve_bytes=reserve, lora_rank=args.rank)
+    plan = (long_context.longest_planned_step(config, **settings) if args.tokens is None
+            else long_context.plan_long_context(config, args.tokens, **settings))
+    print(plan)
+    if plan.fits:
+        print(f"turn it on with: q35lab.apply_to_qwen3_5(model, long_context={plan.tokens})")
+    elif args.tokens is None:
+        print("not even one step fits this GPU")
+    return 0 if plan.fits else 1
 
 
 def _plots(parser: argparse.ArgumentParser, data: Path | None) -> int:
@@ -151,6 +244,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "plots":
         return _plots(parser, args.data)
+    if args.command == "plan":
+        return _plan(parser, args)
     if args.command == "check" or runtime.smoke():
         if args.command == "bench":
             print("No CUDA GPU: running the correctness checks through the Triton interpreter at tiny "
