@@ -200,15 +200,15 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
                          f"MoE), got {type(text).__name__}")
     if args.gpu_gib is not None:
         gpu = args.gpu_gib * 2**30
-    elif torch.cuda.is_available():
-        gpu = long_context.usable_gpu_bytes("cuda")
-    else:
-        gpu = long_context.H200_USABLE_BYTES
-        print(f"No CUDA GPU here: planning for an H200 ({gpu / 2**30:.0f} GiB); --gpu-gib plans for another.")
+    else:  # without CUDA, usable_gpu_bytes plans for an H200
+        on_gpu = torch.cuda.is_available()
+        gpu = long_context.usable_gpu_bytes("cuda" if on_gpu else None)
+        if not on_gpu:
+            print(f"No CUDA GPU here: planning for an H200 ({gpu / 2**30:.0f} GiB); --gpu-gib plans for another.")
     host, reserve = None, None
     if args.host_gib is not None:  # another machine's: its reserve by the rule the offload keeps on this one
         host = args.host_gib * 2**30
-        reserve = min(long_context.HOST_RESERVE_BYTES, host / 4)
+        reserve = long_context.default_host_reserve(host)
     settings = dict(gpu_bytes=gpu, host_bytes=host, host_reserve_bytes=reserve, lora_rank=args.rank)
     plan = (long_context.longest_planned_step(config, **settings) if args.tokens is None
             else long_context.plan_long_context(config, args.tokens, **settings))

@@ -1564,14 +1564,17 @@ def host_memory_available() -> int | None:
     return available
 
 
-def default_host_reserve() -> int:
-    """The host memory an offload leaves free by default: ``HOST_RESERVE_BYTES``, or a quarter of
-    this host's memory (MemTotal, or the cgroup's limit) where that is less — a 12.7 GiB Colab
-    host keeps 3.2 GiB, not more than it has to spare."""
-    total = _meminfo("MemTotal")
-    limit = _cgroup_limit_and_usage()
-    if limit is not None:
-        total = limit[0] if total is None else min(total, limit[0])
+def default_host_reserve(total_bytes: float | None = None) -> int:
+    """The host memory an offload leaves free by default on a host of ``total_bytes``:
+    ``HOST_RESERVE_BYTES``, or a quarter of the host where that is less — a 12.7 GiB Colab host
+    keeps 3.2 GiB, not more than it has to spare. ``total_bytes``: by default this host's memory
+    (MemTotal, or the cgroup's limit; where unknown, the reserve is ``HOST_RESERVE_BYTES``)."""
+    total = total_bytes
+    if total is None:
+        total = _meminfo("MemTotal")
+        limit = _cgroup_limit_and_usage()
+        if limit is not None:
+            total = limit[0] if total is None else min(total, limit[0])
     return HOST_RESERVE_BYTES if total is None else min(HOST_RESERVE_BYTES, total // 4)
 
 
