@@ -51,9 +51,9 @@ import torch
 from ._autograd import first_order_only
 from ._checks import check_float_tensor, check_same_device
 from ._compile import opaque_to_compile
+from ._linear import (cast_factor, check_dropout, check_scaling, compute_dtype, dropout_mask, dropped, row_count,
+                      scaled_b, scaled_product)
 from ._prepared import prepared
-from .lora import (_cast, _check_dropout, _check_scaling, _compute_dtype, _dropped, _rows, _scaled, _scaled_product,
-                   dropout_mask)
 
 __all__ = ["Projection", "ConcatCache", "pack_rows", "unpack_rows", "fused_lora_projections",
            "fused_lora_projections_ref"]
@@ -170,7 +170,7 @@ class FusedLoRAProjectionsFunction(torch.autograd.Function):
         [(first, stop)] projection ranges that share one output buffer)."""
         out_features, lora_meta, buffers = meta
         dtype = x.dtype
-        x2d = x.reshape(_rows(x), x.shape[-1])
+        x2d = x.reshape(row_count(x), x.shape[-1])
         offsets = [0]
         for n in out_features:
             offsets.append(offsets[-1] + n)
@@ -178,9 +178,9 @@ class FusedLoRAProjectionsFunction(torch.autograd.Function):
         if lora_meta:
             shared_input = all(dropout == 0.0 for _, _, dropout, _ in lora_meta)
             if shared_input:  # one GEMM for every adapter's A
-                xa = x2d @ prepared(lambda: torch.cat([_cast(a, dtype) for a in A_list]), "A rows", dtype, *A_list).t()
+                xa = x2d @ prepared(lambda: torch.cat([cast_factor(a, dtype) for a in A_list]), "A rows", dtype, *A_list).t()
             else:
-                xa = torch.cat([_dropped(x2d, dropout, seed) @ _cast(a, dtype).t()
+                xa = torch.cat([dropped(x2d, dropout, seed) @ cast_factor(a, dtype).t()
                                 for a, (_, _, dropout, seed) in zip(A_list, lora_meta)], dim=1)
             # every adapter's s·xa_i·B_iᵀ against one block-diagonal [ΣN, Σr] matrix (_projected)
             placement = tuple(offsets) + tuple((index, scaling) for index, scaling, _, _ in lora_meta)
@@ -213,7 +213,7 @@ class FusedLoRAProjectionsFunction(torch.autograd.Function):
         weights = [weight_cat[offsets[i]:offsets[i + 1]] for i in range(len(out_features))]
         A_list, B_list = adapters[0::2], adapters[1::2]
         xa_list = torch.split(xa, [a.shape[0] for a in A_list], dim=1) if lora_meta else []
-        dxa_list = [None if dys[i] is None else dys[i] @ _scaled(b, s, dtype)  # s_i · dy_i·B_i
+        dxa_list = [None if dys[i] is None else dys[i] @ scaled_b(b, s, dtype)  # s_i · dy_i·B_i
                     for (i, s, _, _), b in zip(lora_meta, B_list)]
         dx = _input_gradient(x2d, dys, weights, lora_meta, A_list, dxa_list)
         adapter_grads = []
@@ -221,8 +221,8 @@ class FusedLoRAProjectionsFunction(torch.autograd.Function):
             if dxa_i is None:  # output i was not used: its adapter's gradient is zero
                 adapter_grads += [torch.zeros_like(a), torch.zeros_like(b)]
                 continue
-            dA = (dxa_i.t() @ _dropped(x2d, dropout, seed)).to(a.dtype)
-            dB = _scaled_product(dys[i].t(), xa_i, s).to(b.dtype)
+            dA = (dxa_i.t() @ dropped(x2d, dropout, seed)).to(a.dtype)
+            dB = scaled_product(dys[i].t(), xa_i, s).to(b.dtype)
             adapter_grads += [dA, dB]
         dx = dx.view(ctx.x_shape)
         return (dx, None, None, None, *adapter_grads)
@@ -249,7 +249,7 @@ def _input_gradient(x2d, dys, weights, lora_meta, A_list, dxa_list) -> torch.Ten
         if dropout:
             masked.append((dxa, a, dropout, seed))
         else:
-            thin.append((dxa, _cast(a, dtype)))
+            thin.append((dxa, cast_factor(a, dtype)))
     for dy, w in zip(dys, weights):
         if dy is None:
             continue
@@ -262,7 +262,7 @@ def _input_gradient(x2d, dys, weights, lora_meta, A_list, dxa_list) -> torch.Ten
         lefts, rights = zip(*thin)
         dx = torch.cat(lefts, dim=1) @ prepared(lambda: torch.cat(rights), "rows", *rights)
     for dxa, a, dropout, seed in masked:  # the forward's mask for this projection, regenerated
-        lora_dx = (dxa @ _cast(a, dtype)).mul_(dropout_mask(x2d, dropout, seed)).div_(1.0 - dropout)
+        lora_dx = (dxa @ cast_factor(a, dtype)).mul_(dropout_mask(x2d, dropout, seed)).div_(1.0 - dropout)
         dx = lora_dx if dx is None else dx.add_(lora_dx)
     for dy, w in wide:
         dx = dy @ w if dx is None else dx.addmm_(dy, w)
@@ -352,8 +352,8 @@ def _check_projection(i: int, p: object, K: int) -> None:
         if p.lora_A.dim() != 2 or p.lora_A.shape[1] != K:
             raise ValueError(f"{name}.lora_A: expected [r, {K}], got {tuple(p.lora_A.shape)}")
         _check_tensor_field(f"{name}.lora_B", p.lora_B, (N, p.lora_A.shape[0]))
-    _check_scaling(f"{name}.scaling", p.scaling)
-    _check_dropout(f"{name}.dropout", p.dropout)
+    check_scaling(f"{name}.scaling", p.scaling)
+    check_dropout(f"{name}.dropout", p.dropout)
 
 
 @opaque_to_compile  # a graph break under torch.compile (see _compile.py)
@@ -397,7 +397,7 @@ def fused_lora_projections(x: torch.Tensor, projections, *, cache: ConcatCache |
             seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout else 0
             adapters += [p.lora_A, p.lora_B]
             lora_meta.append((i, float(p.scaling), dropout, seed))
-    dtype = _compute_dtype(x)
+    dtype = compute_dtype(x)
     weight_cat, bias_cat = (cache or ConcatCache()).get(projections, dtype)
     meta = (tuple(p.weight.shape[0] for p in projections), tuple(lora_meta),
             _output_buffers(len(projections), own_buffer))

@@ -42,8 +42,8 @@ import triton.language as tl
 from ._autograd import first_order_only
 from ._checks import check_float_tensor, check_kernel_device
 from ._compile import opaque_to_compile
+from ._linear import compute_dtype
 from ._tuned import tuned_config
-from .lora import _compute_dtype
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_ref", "LinearCrossEntropyFunction", "LaunchConfig",
            "launch_config", "default_chunk_size", "CHUNK_BYTES"]
@@ -515,7 +515,7 @@ def linear_cross_entropy(input, linear_weight, target, *, ignore_index: int = -1
         raise ValueError(f"weight_grad: expected one of {WEIGHT_GRADS}, got {weight_grad!r}")
     if config is not None and not isinstance(config, LaunchConfig):
         raise TypeError(f"config: expected a linear_cross_entropy LaunchConfig, got {type(config).__name__}")
-    dtype = _compute_dtype(input)
+    dtype = compute_dtype(input)
     # the row count is given, not inferred: reshape(-1, 0) cannot infer it when H = 0
     x2d = input.reshape(math.prod(input.shape[:-1]), hidden).to(dtype).contiguous()
     config = launch_config(vocab, hidden, dtype) if config is None else config

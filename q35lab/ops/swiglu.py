@@ -63,8 +63,8 @@ import triton.language as tl
 from ._autograd import first_order_only
 from ._checks import check_float_tensor, check_kernel_device, check_like
 from ._compile import opaque_to_compile
+from ._linear import check_projection_args, check_scaling, input_grad, project_into, scaled_product
 from ._tuned import tuned_config
-from .lora import _check_projection_args, _check_scaling, _input_grad, _project_into, _scaled_product
 
 __all__ = [
     "ROUNDINGS",
@@ -604,7 +604,7 @@ class SwiGLUDownFunction(torch.autograd.Function):
         if lora_A is not None:
             xa = h @ lora_A.to(dtype).t()  # [T, r]
             t = torch.empty(rows, N, dtype=dtype, device=h.device)
-            _project_into(t, xa, (lora_B * scaling).to(dtype), bias, None, None)  # the thin GEMM (+ bias)
+            project_into(t, xa, (lora_B * scaling).to(dtype), bias, None, None)  # the thin GEMM (+ bias)
         else:  # nothing to add: t only carries dy back to this node
             t = torch.zeros((), dtype=dtype, device=h.device).expand(rows, N)
         ctx.set_materialize_grads(False)  # h gets no gradient from the second node: no [T, I] of zeros
@@ -627,13 +627,13 @@ class SwiGLUDownFunction(torch.autograd.Function):
         dtype = gate.dtype  # dt's too: the second node casts dy to it
         dA = dB = db = None
         if need_bm:
-            dB = _scaled_product(dt.t(), xa, ctx.scaling).to(lora_B.dtype)
+            dB = scaled_product(dt.t(), xa, ctx.scaling).to(lora_B.dtype)
         if need_b:
             db = dt.sum(0).to(ctx.bias_dtype)
         if not (need_dg or need_du or need_a):  # only B or the bias: no dh, no SwiGLU backward
             return None, None, None, None, dB, db, None, None, None, None
         dxa = None if lora_A is None else dt @ (lora_B * ctx.scaling).to(dtype)  # [T, r]: s · dy·B
-        dh = _input_grad(dt, weight, dxa, lora_A)  # h's whole gradient, made after the unpacking above
+        dh = input_grad(dt, weight, dxa, lora_A)  # h's whole gradient, made after the unpacking above
         g2d, u2d, into_g, into_u = _overwrite_plan(ctx, gate, up, g_counts, u_counts, need_dg, need_du, dh)
         dg, du = swiglu_bwd(dh, g2d, u2d, need_dg=need_dg, need_du=need_du, dg=g2d if into_g else None,
                             du=u2d if into_u else None, h_out=dh if need_a else None, rounding=ctx.rounding,
@@ -713,7 +713,7 @@ class DownProjectionFunction(torch.autograd.Function):
         elif adapter:
             torch.addmm(t, h, weight.to(dtype).t(), out=y2d)  # the base GEMM accumulates onto the adapter's term
         else:
-            _project_into(y2d, h, weight, bias, None, None)
+            project_into(y2d, h, weight, bias, None, None)
         ctx.dtype, ctx.weight_dtype = dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(h if ctx.needs_input_grad[2] else None)
@@ -817,11 +817,11 @@ def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, lora
     check_float_tensor("gate", gate)
     check_float_tensor("up", up)
     check_like("up", up, "gate", gate)
-    _check_projection_args("gate", gate.shape[-1] if gate.dim() else "?", weight, lora_A, lora_B, bias)
+    check_projection_args("gate", gate.shape[-1] if gate.dim() else "?", weight, lora_A, lora_B, bias)
     check_kernel_device(gate=gate, up=up, weight=weight, **{name: t for name, t in
                                                            (("lora_A", lora_A), ("lora_B", lora_B), ("bias", bias))
                                                            if t is not None})
-    scaling = _check_scaling("scaling", scaling)
+    scaling = check_scaling("scaling", scaling)
     _check_rounding(rounding)
     adapter = lora_A is not None  # the bias joins the adapter's term, or else the base GEMM, as lora_linear adds it
     with torch.autocast(device_type=gate.device.type, enabled=False):
