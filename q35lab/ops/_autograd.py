@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-__all__ = ["first_order_only"]
+__all__ = ["first_order_only", "graph_is_kept"]
 
 
 def first_order_only(backward):
@@ -41,3 +41,12 @@ def first_order_only(backward):
         return out[0] if single else out
 
     return wrapper
+
+
+def graph_is_kept() -> bool:
+    """Whether the running backward keeps the graph (``retain_graph`` or ``create_graph``): then a
+    node may run again and must leave what it saved untouched. Where torch cannot say, assume it is."""
+    try:
+        return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+    except (AttributeError, RuntimeError):
+        return True

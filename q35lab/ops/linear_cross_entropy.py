@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._autograd import first_order_only
+from ._autograd import first_order_only, graph_is_kept
 from ._checks import check_float_tensor, check_kernel_device
 from ._compile import opaque_to_compile
 from ._linear import compute_dtype
@@ -376,13 +376,6 @@ def _chunked_pass(x2d, weight, target, scale, loss_rows, ignore_index, want_dx, 
     return dx, (None if dw is None else dw.to(weight.dtype))
 
 
-def _keep_graph() -> bool:
-    """Whether the running backward keeps the graph (``retain_graph=True``, ``create_graph=True``):
-    then this node may run again and must leave what it saved untouched. Where torch does not
-    say, assume it may."""
-    return getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)()
-
-
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """For "mean" and "sum" the forward makes the gradients for an upstream gradient of 1 and the
     backward scales them by the real one, a scalar. In place, when the backward frees the graph
@@ -428,7 +421,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if ctx.grads_now:
             dx, dw = ctx.saved_tensors
             # the upstream gradient is a scalar (1, or 1/accumulation steps); see the class docstring
-            keep = _keep_graph()
+            keep = graph_is_kept()
             if dx is not None:
                 dx = dx * grad_loss.to(dx.dtype) if keep else dx.mul_(grad_loss.to(dx.dtype))
             if dw is not None:

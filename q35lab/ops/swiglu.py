@@ -60,7 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._autograd import first_order_only
+from ._autograd import first_order_only, graph_is_kept
 from ._checks import check_float_tensor, check_kernel_device, check_like
 from ._compile import opaque_to_compile
 from ._linear import check_projection_args, check_scaling, input_grad, project_into, scaled_product
@@ -417,14 +417,6 @@ def _sole_owner_counts() -> tuple[int, int, int] | None:
     return found[0] if found else None
 
 
-def _graph_kept() -> bool:
-    """Whether the running backward keeps the graph (``retain_graph`` or ``create_graph``)."""
-    try:
-        return bool(torch._C._autograd._get_current_graph_task_keep_graph())
-    except (AttributeError, RuntimeError):
-        return True  # cannot tell: assume a second backward will come
-
-
 #: "auto": overwrite a saved activation when ``_may_overwrite`` allows it; "never"; "always"
 #: (benchmarks only, as Liger does: a retained graph or another reader would read gradients).
 INPLACE_MODES = ("auto", "never", "always")
@@ -460,7 +452,7 @@ def _may_overwrite(mode: str, t: torch.Tensor, counts, owned: bool, *others: tor
     and nothing else may hold one. Any doubt answers False (a fresh buffer)."""
     if mode != "auto":
         return mode == "always"
-    if t.numel() == 0 or _graph_kept():
+    if t.numel() == 0 or graph_is_kept():
         return False  # a retained graph reads the activations again
     if any(o is not None and o is not sibling and o.numel()
            and o.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for o in others):
