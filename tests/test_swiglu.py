@@ -8,7 +8,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from q35lab.numerics import agreement, assert_close_by_rule
+from q35lab.ops import _launch, _ownership
 from q35lab.ops import swiglu as swiglu_module
+from q35lab.ops import swiglu_down as swiglu_down_module
 from q35lab.ops.swiglu import (
     LaunchConfig,
     SwiGLUFunction,
@@ -130,7 +132,7 @@ def test_strided_column_slices_are_read_without_copies(rounding):
     buffer = (2 * torch.randn(2, 3, 2 * width + 24, device=device())).to(torch.bfloat16)
     g, u = buffer[..., :width], buffer[..., width + 8: 2 * width + 8]
     assert not g.is_contiguous() and not u.is_contiguous()
-    assert not swiglu_module._rows(g)[1] and not swiglu_module._rows(u)[1]  # views, no copies
+    assert not _launch.row_view(g)[1] and not _launch.row_view(u)[1]  # views, no copies
     dh = torch.randn(2, 3, width, device=device()).to(torch.bfloat16)
     _check_rule(lambda a, b: swiglu(a[..., :width], b[..., width + 8: 2 * width + 8], rounding=rounding),
                 lambda a, b: swiglu_ref(a[..., :width], b[..., width + 8: 2 * width + 8], rounding),
@@ -277,13 +279,13 @@ def test_halves_of_a_buffer_someone_else_reads_are_left_alone():
     assert torch.equal(gate, gate_before)
     # halves that overlap are not a pair
     buffer = torch.randn(4, 50, device=device())
-    assert not swiglu_module._side_by_side(buffer[:, 0:30], buffer[:, 20:50])
-    assert swiglu_module._side_by_side(buffer[:, 0:25], buffer[:, 25:50])
-    assert swiglu_module._side_by_side(buffer[:, 25:50], buffer[:, 0:25])  # up before gate: still apart
-    assert not swiglu_module._side_by_side(buffer[:, 0:25], buffer[:, 0:25])
-    assert not swiglu_module._side_by_side(buffer[:, 0:20], torch.randn(4, 20, device=device()))
-    assert swiglu_module._side_by_side(buffer[:1, 0:25], buffer[:1, 25:50])  # one row
-    assert not swiglu_module._side_by_side(buffer.view(-1)[3:28].view(1, 25), buffer.view(-1)[20:45].view(1, 25))
+    assert not _ownership.side_by_side(buffer[:, 0:30], buffer[:, 20:50])
+    assert _ownership.side_by_side(buffer[:, 0:25], buffer[:, 25:50])
+    assert _ownership.side_by_side(buffer[:, 25:50], buffer[:, 0:25])  # up before gate: still apart
+    assert not _ownership.side_by_side(buffer[:, 0:25], buffer[:, 0:25])
+    assert not _ownership.side_by_side(buffer[:, 0:20], torch.randn(4, 20, device=device()))
+    assert _ownership.side_by_side(buffer[:1, 0:25], buffer[:1, 25:50])  # one row
+    assert not _ownership.side_by_side(buffer.view(-1)[3:28].view(1, 25), buffer.view(-1)[20:45].view(1, 25))
 
 
 def test_retain_graph_twice_through_fused_halves_gives_twice_the_gradients():
@@ -471,13 +473,13 @@ def test_the_patched_mlp_writes_its_swiglu_gradients_over_the_fused_gate_up_outp
     from q35lab import e2e
 
     decisions = []
-    may_overwrite = swiglu_module._may_overwrite
+    may_overwrite = _ownership.may_overwrite
 
     def recorded(*args, **kwargs):
         decisions.append((may_overwrite(*args, **kwargs), kwargs.get("sibling") is not None))
         return decisions[-1][0]
 
-    monkeypatch.setattr(swiglu_module, "_may_overwrite", recorded)
+    monkeypatch.setattr(_ownership, "may_overwrite", recorded)
     model = e2e.build("tiny", layers=4, rank=4, device=device(), dtype=torch.float32, checkpointing=checkpointing)
     report = q35lab.apply_to_qwen3_5(model)
     assert report.replaced["Qwen3_5MLP gate/up (2 projections, 1 node)"] == 4
@@ -612,13 +614,13 @@ def test_a_gradient_for_the_down_weight_alone_runs_no_swiglu_backward():
     x, w_g, w_u, weight, lora_A, lora_B, _ = _down_case(6, 40, 9, 4, torch.float32, True, False)
     weight.requires_grad_(True)
     calls = []
-    original = swiglu_module.swiglu_bwd
+    original = swiglu_down_module.swiglu_bwd
     try:
-        swiglu_module.swiglu_bwd = lambda *a, **k: calls.append(1) or original(*a, **k)
+        swiglu_down_module.swiglu_bwd = lambda *a, **k: calls.append(1) or original(*a, **k)
         y = swiglu_down(x @ w_g, x @ w_u, weight, lora_A, lora_B, 2.0)
         ours = torch.autograd.grad(y.square().sum(), [weight])
     finally:
-        swiglu_module.swiglu_bwd = original
+        swiglu_down_module.swiglu_bwd = original
     assert not calls
     theirs = torch.autograd.grad(lora_linear(swiglu(x @ w_g, x @ w_u), weight, lora_A, lora_B, 2.0).square().sum(),
                                  [weight])

@@ -1,5 +1,6 @@
-"""Launch helpers shared by the row-wise kernels: their ``[rows, width]`` view of an input, how
-many programs a persistent grid gets, and the tiles of the streaming row kernels."""
+"""Launch helpers shared by the row-wise kernels: their ``[rows, width]`` view of an input (a
+contiguous copy, or any row stride), how many programs a persistent grid gets, and the tiles of
+the streaming row kernels."""
 
 from __future__ import annotations
 
@@ -35,6 +36,19 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     input, where any count fits.
     """
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).contiguous()
+
+
+def row_view(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``x`` as ``[rows, width]`` with unit column stride (any row stride), and whether that took a copy.
+
+    A view whenever the leading dimensions collapse into one row stride (a column slice of a
+    ``[.., 2I]`` buffer does); a copy only for layouts that no row stride describes.
+    """
+    x2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    copied = x2d.numel() > 0 and x2d.data_ptr() != x.data_ptr()
+    if x2d.shape[1] > 1 and x2d.stride(1) != 1:
+        x2d, copied = x2d.contiguous(), True
+    return x2d, copied
 
 
 @dataclass(frozen=True)

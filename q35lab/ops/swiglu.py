@@ -19,17 +19,10 @@ Backward (both modes: the exact fp32 gradient of the formula, one rounding per s
     dg = dh · u · s · (1 + g · (1 − s))
     du = dh · a
 
-Memory. The node saves only its inputs ``g`` and ``u`` (their producers, the gate and up
-projections, made them; the output ``h`` is saved by the down projection as its input, not
-here). ``g`` and ``u`` are dead once this backward has run, so the backward writes ``dg`` and
-``du`` over them and allocates nothing (as Liger does) — but only when that is safe, decided per
-call (``_may_overwrite``): the graph is not being retained (``retain_graph``/``create_graph``
-keep it, and a second backward must read the activations again), the tensor is not a leaf or a
-view, and nothing but this node references it or its memory (no Python variable, no other
-autograd node's saved tensor, no alias) — except the other input, when ``g`` and ``u`` are the
-two halves of one fused gate/up output, side by side in one buffer: each element's gradients
-then go where its inputs were read, so the two blocks are written over together. Otherwise the
-gradients get fresh buffers, and the inputs are never touched.
+Memory. The node saves only its inputs ``g`` and ``u`` (the gate and up projections made them;
+``h`` is saved by the down projection as its input). Its backward writes ``dg`` and ``du`` over
+them, allocating nothing, when it is their last reader (``_ownership.may_overwrite``); otherwise
+the gradients get fresh buffers and the inputs are never touched.
 
 Layout. Inputs are read with their own row stride, so the column slices of one ``[T, 2I]``
 buffer (gate and up projections fused into one GEMM) are used without copies.
@@ -44,26 +37,24 @@ Layering: ``_swiglu_fwd_kernel`` / ``_swiglu_bwd_kernel`` (Triton) → ``swiglu_
 ``swiglu_bwd`` (host) → ``SwiGLUFunction`` / ``SwiGLUPackedFunction`` → ``swiglu`` /
 ``swiglu_packed`` (functional); ``swiglu_ref`` is the PyTorch reference every test compares to.
 No module: the MLP that calls it (``down(swiglu(gate(x), up(x)))``) belongs to the patch.
+``swiglu_down`` (``ops/swiglu_down.py``) joins the SwiGLU and the MLP's down projection.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import math
-import sys
-import threading
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ._autograd import first_order_only, graph_is_kept
+from ._autograd import first_order_only
 from ._checks import check_float_tensor, check_kernel_device, check_like
 from ._compile import opaque_to_compile
-from ._linear import check_projection_args, check_scaling, input_grad, project_into, scaled_product
+from ._launch import row_view
+from ._ownership import bump_version, inplace_mode, may_overwrite, overwrite_plan, ownership
 from ._tuned import tuned_config
 
 __all__ = [
@@ -352,157 +343,17 @@ def swiglu_bwd(
 
 
 # --------------------------------------------------------------------------------------------
-# When may the backward write its gradients over the saved activations?
-# --------------------------------------------------------------------------------------------
-def _rows(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """``x`` as ``[rows, width]`` with unit column stride, and whether that took a copy.
-
-    A view whenever the leading dimensions collapse into one row stride (a column slice of a
-    ``[.., 2I]`` buffer does); a copy only for layouts that no row stride describes.
-    """
-    x2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-    copied = x2d.numel() > 0 and x2d.data_ptr() != x.data_ptr()
-    if x2d.shape[1] > 1 and x2d.stride(1) != 1:
-        x2d, copied = x2d.contiguous(), True
-    return x2d, copied
-
-
-def _ownership(t: torch.Tensor) -> tuple[int, int, int]:
-    """References to ``t``: C++ handles of its TensorImpl (a Python object counts once),
-    Python references to its object (the caller's local, this frame and ``getrefcount``'s
-    included), handles of its storage (every other tensor on the same memory adds one)."""
-    return t._use_count(), sys.getrefcount(t), torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
-class _OwnershipProbe(torch.autograd.Function):
-    """Reads ``_ownership`` of a saved tensor that nothing else holds — the output of an op
-    that keeps no reference to it, saved by this node only — unpacked in the backward exactly
-    as ``SwiGLUFunction.backward`` unpacks its own (one local, then ``_ownership``)."""
-
-    counts: tuple[int, int, int] | None = None
-
-    @staticmethod
-    def forward(ctx, t):
-        ctx.save_for_backward(t)
-        return t.clone()
-
-    @staticmethod
-    def backward(ctx, dy):
-        (t,) = ctx.saved_tensors
-        _OwnershipProbe.counts = _ownership(t)
-        return dy
-
-
-@functools.lru_cache(maxsize=1)
-def _sole_owner_counts() -> tuple[int, int, int] | None:
-    """``_ownership`` of an unshared saved tensor on this torch build, measured once on a few
-    CPU elements; ``None`` if this build lacks the introspection (then never overwrite).
-
-    Measured in a thread of its own: grad mode, inference mode and saved-tensor hooks (those of
-    gradient checkpointing, say) are thread-local, so the caller's context cannot skew it.
-    """
-    found = []
-
-    def probe():
-        try:
-            leaf = torch.zeros(2, requires_grad=True)
-            _OwnershipProbe.apply(leaf * 1.0).sum().backward()
-            found.append(_OwnershipProbe.counts)
-        except Exception:  # noqa: BLE001 - any failure means: cannot tell, never overwrite
-            pass
-
-    thread = threading.Thread(target=probe, name="q35lab-swiglu-probe")
-    thread.start()
-    thread.join()
-    return found[0] if found else None
-
-
-#: "auto": overwrite a saved activation when ``_may_overwrite`` allows it; "never"; "always"
-#: (benchmarks only, as Liger does: a retained graph or another reader would read gradients).
-INPLACE_MODES = ("auto", "never", "always")
-
-
-def _side_by_side(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` are two column blocks of the rows of one buffer that share no
-    element: the gate and up outputs of one fused ``[T, 2I]`` GEMM. Both ``[rows, width]`` with
-    unit column stride and the same row stride ``s``; block ``b`` starts ``d`` elements after
-    ``a`` (modulo ``s``) with ``width ≤ d ≤ s − width``. Written over together by a kernel that
-    stores each element's gradients where it read its inputs, they cannot disturb each other."""
-    if a.dim() != 2 or a.shape != b.shape or a.dtype != b.dtype or a.numel() == 0:
-        return False
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-    rows, width = a.shape
-    if width > 1 and (a.stride(1) != 1 or b.stride(1) != 1):
-        return False
-    if rows == 1:  # one row each: two runs of `width` elements
-        return abs(b.storage_offset() - a.storage_offset()) >= width
-    if a.stride(0) != b.stride(0) or a.stride(0) < 2 * width:
-        return False  # (a row stride below two widths cannot hold both: repeated or overlapping rows)
-    gap = (b.storage_offset() - a.storage_offset()) % a.stride(0)
-    return width <= gap <= a.stride(0) - width
-
-
-def _may_overwrite(mode: str, t: torch.Tensor, counts, owned: bool, *others: torch.Tensor | None,
-                   sibling: torch.Tensor | None = None) -> bool:
-    """Whether the saved activation ``t`` may receive its own gradient: this backward is its
-    last reader. ``counts``: ``_ownership(t)`` read by the backward right after unpacking;
-    ``owned``: ``t`` is a copy this node made; ``sibling``: the node's other input when the two
-    lie side by side in one buffer (``_side_by_side``): its handle on the memory is expected,
-    and nothing else may hold one. Any doubt answers False (a fresh buffer)."""
-    if mode != "auto":
-        return mode == "always"
-    if t.numel() == 0 or graph_is_kept():
-        return False  # a retained graph reads the activations again
-    if any(o is not None and o is not sibling and o.numel()
-           and o.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for o in others):
-        return False  # aliases the other input or the upstream gradient
-    if owned:
-        return True  # no one else ever saw it
-    if t.is_leaf or t._base is not None:
-        return False  # a leaf is the caller's tensor; a view shares its base's memory
-    expected = _sole_owner_counts()
-    if expected is None:
-        return False
-    if sibling is not None:  # the memory's one other handle: the sibling block's
-        expected = (*expected[:2], expected[2] + 1)
-    return all(n <= e for n, e in zip(counts, expected))
-
-
-def _overwrite_plan(ctx, gate, up, g_counts, u_counts, need_dg: bool, need_du: bool, dh):
-    """``(g2d, u2d, into_g, into_u)`` for a backward that unpacked ``gate`` and ``up``: their
-    ``[rows, width]`` views and whether each gradient may be written over its input
-    (``_may_overwrite``). The two halves of one fused gate/up output (the patched MLP's case) are
-    each the other's only co-owner of the buffer, and both may be written over."""
-    g2d, _ = _rows(gate)  # views: the saved tensors have a row stride by construction
-    u2d, _ = _rows(up)
-    pair = ctx.inplace == "auto" and _side_by_side(g2d, u2d)
-    into_g = need_dg and _may_overwrite(ctx.inplace, gate, g_counts, ctx.owned[0], up, dh,
-                                        sibling=up if pair else None)
-    into_u = need_du and _may_overwrite(ctx.inplace, up, u_counts, ctx.owned[1], gate, dh,
-                                        sibling=gate if pair else None)
-    return g2d, u2d, into_g, into_u
-
-
-def _bump_version(t: torch.Tensor) -> None:
-    """A reader that ``_may_overwrite`` failed to see then fails loudly, not with gradients."""
-    increment = getattr(torch.autograd.graph, "increment_version", None)
-    if increment is not None:
-        increment(t)
-
-
-# --------------------------------------------------------------------------------------------
 # Autograd and functional forms.
 # --------------------------------------------------------------------------------------------
 class SwiGLUFunction(torch.autograd.Function):
     """Autograd node of ``swiglu``: saves ``gate`` and ``up`` (the tensors passed; a copy only
     of a layout without a row stride), nothing else; the backward writes the gradients over
-    them when it is their last reader (``_may_overwrite``)."""
+    them when it is their last reader (``may_overwrite``)."""
 
     @staticmethod
     def forward(ctx, gate, up, rounding: str, config: LaunchConfig | None, inplace: str):
-        g2d, g_copied = _rows(gate)
-        u2d, u_copied = _rows(up)
+        g2d, g_copied = row_view(gate)
+        u2d, u_copied = row_view(up)
         # Allocated at its final shape, not a view of a buffer of this node: in-place edits of
         # the output (h.mul_(…)) then work as on any op's output.
         h = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
@@ -515,20 +366,20 @@ class SwiGLUFunction(torch.autograd.Function):
     @first_order_only
     def backward(ctx, dh):
         gate, up = ctx.saved_tensors
-        g_counts = _ownership(gate)  # first: nothing below may hold extra references yet
-        u_counts = _ownership(up)
+        g_counts = ownership(gate)  # first: nothing below may hold extra references yet
+        u_counts = ownership(up)
         need_dg, need_du = ctx.needs_input_grad[:2]
-        g2d, u2d, into_g, into_u = _overwrite_plan(ctx, gate, up, g_counts, u_counts, need_dg, need_du, dh)
-        dh2d, _ = _rows(dh)
+        g2d, u2d, into_g, into_u = overwrite_plan(ctx, gate, up, g_counts, u_counts, need_dg, need_du, dh)
+        dh2d, _ = row_view(dh)
         dg, du = swiglu_bwd(
             dh2d, g2d, u2d, need_dg=need_dg, need_du=need_du,
             dg=g2d if into_g else None, du=u2d if into_u else None, config=ctx.config,
         )
         if ctx.inplace == "auto":  # "always" (benchmarks) repeats backwards over the gradients
             if into_g:
-                _bump_version(gate)
+                bump_version(gate)
             if into_u:
-                _bump_version(up)
+                bump_version(up)
         return (
             dg.detach().view(ctx.shape) if dg is not None else None,
             du.detach().view(ctx.shape) if du is not None else None,
@@ -542,7 +393,7 @@ class SwiGLUPackedFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate_up, rounding: str, config: LaunchConfig | None, inplace: str):
-        gu2d, copied = _rows(gate_up)
+        gu2d, copied = row_view(gate_up)
         half = gu2d.shape[1] // 2
         h = torch.empty((*gate_up.shape[:-1], half), dtype=gate_up.dtype, device=gate_up.device)
         swiglu_fwd(gu2d[:, :half], gu2d[:, half:], rounding, out=h.view(gu2d.shape[0], half), config=config)
@@ -554,185 +405,22 @@ class SwiGLUPackedFunction(torch.autograd.Function):
     @first_order_only
     def backward(ctx, dh):
         (gate_up,) = ctx.saved_tensors
-        counts = _ownership(gate_up)
-        into = _may_overwrite(ctx.inplace, gate_up, counts, ctx.owned, dh)
-        gu2d, _ = _rows(gate_up)
+        counts = ownership(gate_up)
+        into = may_overwrite(ctx.inplace, gate_up, counts, ctx.owned, dh)
+        gu2d, _ = row_view(gate_up)
         half = gu2d.shape[1] // 2
         dgu = gu2d if into else torch.empty_like(gu2d, memory_format=torch.contiguous_format)
-        dh2d, _ = _rows(dh)
+        dh2d, _ = row_view(dh)
         swiglu_bwd(dh2d, gu2d[:, :half], gu2d[:, half:], dg=dgu[:, :half], du=dgu[:, half:], config=ctx.config)
         if into and ctx.inplace == "auto":
-            _bump_version(gate_up)
+            bump_version(gate_up)
         return dgu.detach().view(ctx.shape), None, None, None
 
 
-class SwiGLUDownFunction(torch.autograd.Function):
-    """The first of ``swiglu_down``'s two nodes: ``h = silu(g)·u`` and the adapter's term
-    ``t = s·(h·Aᵀ)·Bᵀ + b`` (without an adapter ``t`` is a zero-stride placeholder and the bias
-    goes to the second node).
-
-    Saves ``g``, ``u`` and the adapter's ``[T, r]`` ``xa = h·Aᵀ``, not ``h`` (``[T, I]``, 768 MiB a
-    layer at 9B and 32k tokens): ``h`` is needed again only for the adapter's ``dA = dxaᵀ·h``, and
-    the backward rebuilds it, bit for bit, in the buffer of ``dh`` once the SwiGLU kernel has
-    read ``dh`` there.
-
-    The two nodes are one function split in two, private to ``swiglu_down`` (``h`` and ``t`` are
-    never returned), and their backward is split otherwise than their forward: the second node
-    passes ``dt = dy`` on and gives ``h`` no gradient, and this node computes ``h``'s whole
-    gradient from ``dt``, ``dh = dxa·A + dy·W`` with ``dxa = s·dy·B`` (``lora_linear``'s order: its
-    bits). So ``dh`` is made here, after this node's saved tensors are unpacked (under
-    checkpointing: after the recompute of the layer), and never meets the recompute's ``h``. One
-    SwiGLU kernel then writes ``dg``, ``du`` (over ``g``, ``u`` when ``_may_overwrite`` allows) and
-    ``h`` (over ``dh``)."""
-
-    @staticmethod
-    def forward(ctx, gate, up, weight, lora_A, lora_B, bias, scaling: float, rounding: str,
-                config: LaunchConfig | None, inplace: str):
-        g2d, g_copied = _rows(gate)
-        u2d, u_copied = _rows(up)
-        dtype, rows, N = gate.dtype, g2d.shape[0], weight.shape[0]
-        h = swiglu_fwd(g2d, u2d, rounding, config=config)
-        xa = None
-        if lora_A is not None:
-            xa = h @ lora_A.to(dtype).t()  # [T, r]
-            t = torch.empty(rows, N, dtype=dtype, device=h.device)
-            project_into(t, xa, (lora_B * scaling).to(dtype), bias, None, None)  # the thin GEMM (+ bias)
-        else:  # nothing to add: t only carries dy back to this node
-            t = torch.zeros((), dtype=dtype, device=h.device).expand(rows, N)
-        ctx.set_materialize_grads(False)  # h gets no gradient from the second node: no [T, I] of zeros
-        # W is saved as well (a detached view of the parameter: its gradient is the second node's); saving
-        # it keeps autograd's check that nothing edits it in place before the backward
-        ctx.save_for_backward(g2d if g_copied else gate, u2d if u_copied else up, weight, lora_A, lora_B, xa)
-        ctx.owned, ctx.scaling, ctx.rounding, ctx.config, ctx.inplace = (g_copied, u_copied), scaling, rounding, config, inplace
-        ctx.shape, ctx.bias_dtype = gate.shape, None if bias is None else bias.dtype
-        return h, t
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, _, dt):
-        if dt is None:  # y reached nothing that needs a gradient
-            return (None,) * 10
-        gate, up, weight, lora_A, lora_B, xa = ctx.saved_tensors
-        g_counts = _ownership(gate)  # first: nothing below may hold extra references yet
-        u_counts = _ownership(up)
-        need_dg, need_du, _, need_a, need_bm, need_b = ctx.needs_input_grad[:6]
-        dtype = gate.dtype  # dt's too: the second node casts dy to it
-        dA = dB = db = None
-        if need_bm:
-            dB = scaled_product(dt.t(), xa, ctx.scaling).to(lora_B.dtype)
-        if need_b:
-            db = dt.sum(0).to(ctx.bias_dtype)
-        if not (need_dg or need_du or need_a):  # only B or the bias: no dh, no SwiGLU backward
-            return None, None, None, None, dB, db, None, None, None, None
-        dxa = None if lora_A is None else dt @ (lora_B * ctx.scaling).to(dtype)  # [T, r]: s · dy·B
-        dh = input_grad(dt, weight, dxa, lora_A)  # h's whole gradient, made after the unpacking above
-        g2d, u2d, into_g, into_u = _overwrite_plan(ctx, gate, up, g_counts, u_counts, need_dg, need_du, dh)
-        dg, du = swiglu_bwd(dh, g2d, u2d, need_dg=need_dg, need_du=need_du, dg=g2d if into_g else None,
-                            du=u2d if into_u else None, h_out=dh if need_a else None, rounding=ctx.rounding,
-                            config=ctx.config)
-        h = dh if need_a else None  # dh's buffer now holds h
-        if ctx.inplace == "auto":
-            if into_g:
-                _bump_version(gate)
-            if into_u:
-                _bump_version(up)
-        if need_a:
-            dA = (dxa.t() @ h).to(lora_A.dtype)
-        return (dg.detach().view(ctx.shape) if dg is not None else None,
-                du.detach().view(ctx.shape) if du is not None else None,
-                None, dA, dB, db, None, None, None, None)
-
-
-class _UnreadOutputs(threading.local):
-    """Per thread (autograd's backward runs on its own): the list that ``unread_down_outputs``
-    collects skipped outputs into, or None outside it."""
-
-    skipped: list | None = None
-
-
-_UNREAD = _UnreadOutputs()
-
-
-@contextlib.contextmanager
-def unread_down_outputs():
-    """While active on this thread, ``swiglu_down``'s frozen down projection leaves its output
-    uncomputed (``torch.empty``) and records it in the yielded list, with its version.
-
-    For a recompute whose output only roots a backward, ``autograd.grad(y, inputs, dy)``: the down
-    node's backward reads ``dy``, never ``y``, so the largest GEMM of an MLP need not run. A tiled
-    MLP's backward recomputes each tile this way (``q35lab.long_context``), as the untiled MLP's
-    checkpoint recompute stops before that GEMM. The caller must check that what it roots the
-    backward on is one of the skipped outputs, unmodified (``is_unread``), and otherwise recompute
-    without the context: an op that read the uncomputed values would have read garbage."""
-    outer = _UNREAD.skipped
-    _UNREAD.skipped = skipped = []
-    try:
-        yield skipped
-    finally:
-        _UNREAD.skipped = outer
-
-
-def is_unread(y: torch.Tensor, skipped: list) -> bool:
-    """Whether ``y`` is (a view of the whole of) one output ``unread_down_outputs`` skipped, not
-    written since (its version counter: a write through ``.data`` or by a kernel that does not bump
-    it goes unseen). With one output skipped, nothing computed from its values then reaches ``y``;
-    with several, one could have fed another (the caller counts them)."""
-    return any(y.untyped_storage().data_ptr() == out.untyped_storage().data_ptr() and y.numel() == out.numel()
-               and out._version == version for out, version in skipped)
-
-
-class DownProjectionFunction(torch.autograd.Function):
-    """The second of ``swiglu_down``'s nodes: ``y = t + h·Wᵀ`` (without an adapter ``y = h·Wᵀ + b``,
-    ``t`` a placeholder).
-
-    With a frozen ``W`` it saves nothing: its backward only passes ``dy`` on as ``t``'s gradient
-    (``h``'s is computed by the first node, see ``SwiGLUDownFunction``). That is the point of the
-    split. Under gradient checkpointing (PyTorch's non-reentrant one, which transformers uses) the
-    backward's recompute of a layer stops as soon as the layer's last saved tensor is made again;
-    the down projection is the last GEMM of a decoder layer and its output feeds only the
-    residual add, so when the node after ``g``, ``u`` and ``xa`` saves nothing, the recompute stops
-    before this GEMM: the largest GEMM of the layer runs twice a step, not three times. A
-    trainable ``W`` needs ``h`` for ``dW = dyᵀ·h``: then ``h`` is saved (and recomputed)."""
-
-    @staticmethod
-    def forward(ctx, h, t, weight, bias, out_shape: tuple, adapter: bool):
-        dtype, N = h.dtype, weight.shape[0]
-        y = torch.empty(*out_shape[:-1], N, dtype=dtype, device=h.device)  # its own tensor, not a view
-        y2d = y.view(h.shape[0], N)
-        skipped = _UNREAD.skipped
-        if skipped is not None and not ctx.needs_input_grad[2]:  # nobody reads y (unread_down_outputs)
-            skipped.append((y, y._version))
-        elif adapter:
-            torch.addmm(t, h, weight.to(dtype).t(), out=y2d)  # the base GEMM accumulates onto the adapter's term
-        else:
-            project_into(y2d, h, weight, bias, None, None)
-        ctx.dtype, ctx.weight_dtype = dtype, weight.dtype
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.save_for_backward(h if ctx.needs_input_grad[2] else None)
-        return y
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, dy):
-        (h,) = ctx.saved_tensors
-        need_w, need_b = ctx.needs_input_grad[2:4]
-        dy2d = dy.reshape(math.prod(dy.shape[:-1]), dy.shape[-1]).to(ctx.dtype)  # (-1 is ambiguous with no features)
-        dW = (dy2d.t() @ h).to(ctx.weight_dtype) if need_w else None  # a trainable base: supported, not optimised
-        db = dy2d.sum(0).to(ctx.bias_dtype) if need_b else None
-        return None, dy2d, dW, db, None, None
-
-
-def _check_rounding(rounding: object) -> None:
+def check_rounding(rounding: object) -> None:
+    """Raise ``ValueError`` unless ``rounding`` is one of ``ROUNDINGS``."""
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding: expected one of {ROUNDINGS}, got {rounding!r}")
-
-
-def _inplace_mode(inplace_backward: object) -> str:
-    if not isinstance(inplace_backward, bool):
-        raise TypeError(f"inplace_backward: expected a bool, got {type(inplace_backward).__name__}")
-    if inplace_backward:
-        _sole_owner_counts()  # measured once, here, rather than in the middle of a backward
-    return "auto" if inplace_backward else "never"
 
 
 @opaque_to_compile
@@ -756,8 +444,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, rounding: str = "hf", inplac
     check_float_tensor("up", up)
     check_like("up", up, "gate", gate)
     check_kernel_device(gate=gate, up=up)
-    _check_rounding(rounding)
-    return SwiGLUFunction.apply(gate, up, rounding, None, _inplace_mode(inplace_backward))
+    check_rounding(rounding)
+    return SwiGLUFunction.apply(gate, up, rounding, None, inplace_mode(inplace_backward))
 
 
 @opaque_to_compile
@@ -782,43 +470,19 @@ def swiglu_packed(gate_up: torch.Tensor, *, rounding: str = "hf", inplace_backwa
         raise ValueError(
             f"gate_up: expected an even last dimension (gate and up halves), got {gate_up.shape[-1]}"
         )
-    _check_rounding(rounding)
-    return SwiGLUPackedFunction.apply(gate_up, rounding, None, _inplace_mode(inplace_backward))
+    check_rounding(rounding)
+    return SwiGLUPackedFunction.apply(gate_up, rounding, None, inplace_mode(inplace_backward))
 
 
-@opaque_to_compile
-def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor | None = None,
-                lora_B: torch.Tensor | None = None, scaling: float = 1.0, bias: torch.Tensor | None = None, *,
-                rounding: str = "hf", inplace_backward: bool = True) -> torch.Tensor:
-    """An MLP's last two steps as two nodes: ``down(swiglu(gate, up))`` with ``down`` a frozen
-    projection and an optional LoRA adapter without dropout,
-    ``y = h·Wᵀ + b + scaling · (h·Aᵀ)·Bᵀ``, ``h = silu(gate)·up``.
+#: ``swiglu_down`` and its pieces live in ``ops/swiglu_down.py`` (which imports this module's kernels);
+#: q35lab.patch and q35lab.long_context reach them through here.
+_SWIGLU_DOWN_NAMES = ("swiglu_down", "SwiGLUDownFunction", "DownProjectionFunction", "unread_down_outputs", "is_unread")
 
-    The same values and gradients as ``lora_linear(swiglu(gate, up), ...)``: the same GEMMs and
-    formulas, ``h`` rebuilt bit for bit (through the interpreter every result is the same bits;
-    compiled, the backward kernel's variant may round its products otherwise), without keeping
-    ``h`` for the backward (``SwiGLUDownFunction``).
 
-    Args:
-        gate, up: as for ``swiglu`` (the column blocks of a fused gate/up output are fine).
-        weight: ``[N, I]``; lora_A: ``[r, I]``; lora_B: ``[N, r]`` (both or neither); any float
-            dtype (cast to ``gate``'s for the GEMMs; fp32 master adapters get fp32 gradients).
-        scaling: the adapter scale, a finite real number. bias: optional ``[N]``.
-        rounding, inplace_backward: as for ``swiglu``.
-    """
-    check_float_tensor("gate", gate)
-    check_float_tensor("up", up)
-    check_like("up", up, "gate", gate)
-    check_projection_args("gate", gate.shape[-1] if gate.dim() else "?", weight, lora_A, lora_B, bias)
-    check_kernel_device(gate=gate, up=up, weight=weight, **{name: t for name, t in
-                                                           (("lora_A", lora_A), ("lora_B", lora_B), ("bias", bias))
-                                                           if t is not None})
-    scaling = check_scaling("scaling", scaling)
-    _check_rounding(rounding)
-    adapter = lora_A is not None  # the bias joins the adapter's term, or else the base GEMM, as lora_linear adds it
-    with torch.autocast(device_type=gate.device.type, enabled=False):
-        # the first node reads W for h's gradient but returns none for it (the second node's dW): it gets W
-        # detached, so that a gradient wanted for W alone does not run the first node's backward
-        h, t = SwiGLUDownFunction.apply(gate, up, weight.detach(), lora_A, lora_B, bias if adapter else None, scaling,
-                                        rounding, None, _inplace_mode(inplace_backward))
-        return DownProjectionFunction.apply(h, t, weight, None if adapter else bias, tuple(gate.shape), adapter)
+def __getattr__(name: str):
+    if name in _SWIGLU_DOWN_NAMES:  # imported on first use: an import at the top would be circular
+        from . import swiglu_down as module
+
+        value = globals()[name] = getattr(module, name)
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
