@@ -5,10 +5,8 @@ A packed row (many short sequences in one row, ``position_ids`` restarting at ea
 causal: token t attends to the tokens of its own sequence up to itself. transformers' SDPA path
 writes that as a dense boolean mask, [1, 1, T, T] (1 GiB at T = 32k), and SDPA with an arbitrary
 mask cannot skip the blocks the mask rules out: it computes every query against every key, about
-T² where the row's real work is Σ nᵢ² over its sequences (2–9% of T² for five rows of the
-benchmark's chat-length mix at 32k, ``bench.e2e.sft_lengths``). PEFT + Liger's packed 9B step ran
-at 0.72× its one-sequence throughput on the H200 (``data/bench/nvidia-h200/end_to_end.csv``); the
-dense mask is our reading of why (that step was not profiled).
+T² where the row's real work is Σ nᵢ² over its sequences (a small part of T² for chat-length
+sequences, ``bench.e2e.sft_lengths``).
 
 ``torch.nn.attention.varlen.varlen_attn`` takes the sequences as cumulative boundaries
 ``cu_seq_lens = [0, n₁, n₁ + n₂, ..., T]`` and runs flash attention over each sequence alone:

@@ -109,7 +109,7 @@ def _n_input_sets(footprint: int) -> int:
     """How many input sets to rotate so that consecutive calls touch ROTATE_BYTES (twice the L2
     and more) and none finds its data in the cache: 1 to 16. ``footprint``: a call's traffic
     (the op's bytes model) or, for GEMM-bound ops without one, its inputs' bytes — each set costs
-    a model build for the PEFT benches, so sixteen sets where one suffices made a case seconds long."""
+    a model build for the PEFT benches, so no more sets than that."""
     return max(1, min(16, math.ceil(core.ROTATE_BYTES / max(footprint, 1))))
 
 

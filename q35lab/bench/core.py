@@ -167,8 +167,8 @@ def kernel_ms(calls: list[Callable[[], object]]) -> float:
     """Summed device time of all kernels launched by ``calls`` (run once each), per call.
 
     Only the GPU's activity is traced: tracing every host-side op as well (thousands per call
-    for a PEFT model's backward) made each case take seconds to post-process. Should a PyTorch
-    build report no kernels that way, host and device are traced together, as before."""
+    for a PEFT model's backward) is slow to post-process. Should a PyTorch build report no
+    kernels that way, host and device are traced together."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 

@@ -17,9 +17,8 @@ Implementations (each skipped, and said so, when it is not installed):
 
 Forced in-place backwards (Liger's, ours) read gradients as activations on the next repetition:
 the same bytes move through the same kernels, but the values drift to infinities and subnormals.
-That is why ours is measured in the "fused" mode there: the "hf" forward's IEEE division takes
-its slow path on such values (measured on the H200: 2.4 TB/s on infinities, 1.3 TB/s on
-subnormals, against 4.2 TB/s on activations), which would time the garbage, not the kernel.
+That is why ours is timed in the "fused" mode there: the "hf" forward's IEEE division takes its
+slow path on such values, which would time the garbage, not the kernel.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ block-diagonal ``B``. Each is a kernel launch of a few microseconds. A tiled lay
 backward (recompute, then gradients), so in 8192-token tiles a 9B step at 32k would launch each
 of them four times over, with the same result every time. Inside ``shared_preparations()`` the
 first call builds a preparation and the later ones with the same key reuse it; outside it every
-call builds its own, as before.
+call builds its own.
 
 A key is the preparation's name, plain values, and tensors by the memory they read (address,
 dtype, shape, strides: a view made again per call, such as a weight's rows, matches) and their

@@ -65,9 +65,8 @@ __all__ = [
 #: Widest filter supported (the kernels unroll over it).
 MAX_KERNEL_SIZE = 8
 #: Tiles one backward program sums dW/dbias over, at most: each fp32 accumulator element adds one
-#: value a tile in sequence, and at 2,500 tiles over 8 programs (32k tokens) dbias in fp32 fell
-#: outside the numerics rule on an H200; more programs keep the sequential sums short, and their
-#: partial rows are summed pairwise-ish by sum_partials.
+#: value a tile in sequence, and a long sequential fp32 sum loses dbias' precision at long T; more
+#: programs keep those sums short, and sum_partials reduces their partial rows.
 MAX_TILES_PER_PROGRAM = 32
 #: Activation names accepted, as transformers' ``config.hidden_act`` / fla spell them.
 ACTIVATIONS = (None, "silu", "swish")
@@ -314,8 +313,7 @@ def _causal_conv1d_bwd_kernel(
 
     dx at token t needs dz at t..t+K-1. A tile computes dz once at its BLOCK_T tokens and
     *owns* the first ``BLOCK_T - (K-1)`` of them: the next tile starts at the first token it
-    does not own, so the tile's last K-1 tokens are computed again there (K-1 of BLOCK_T, 9% at
-    32). dz at t+s is this tile's dz moved up s rows by ``tl.gather``, where recomputing it per
+    does not own, so the tile's last K-1 tokens are computed again there. dz at t+s is this tile's dz moved up s rows by ``tl.gather``, where recomputing it per
     shift would cost K pre-activations a token instead of one.
     """
     OWNED: tl.constexpr = BLOCK_T - (K - 1)
@@ -416,9 +414,8 @@ def _causal_conv1d_bwd_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# Launch configuration: defaults from a small sweep on an H200 (Triton 3.6, C = 8192, K = 4,
-# T = 32k, bf16); scripts/tune_causal_conv1d.py measures a GPU's own into ops/tuned.json.
-# Under the interpreter num_warps is ignored.
+# Launch configuration: a default for any GPU; scripts/tune_causal_conv1d.py records a GPU's own
+# in ops/tuned.json. Under the interpreter num_warps is ignored.
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LaunchConfig:
@@ -454,8 +451,7 @@ def launch_config(C: int, K: int) -> LaunchConfig:
 def _default_config(C: int, K: int) -> LaunchConfig:
     """Forward tiles of 32 tokens × 128 channels (256 contiguous bytes a token in bf16, 32
     values a thread at 4 warps), backward 32 × 64 for dx alone and 16 × 64 with dW (which keeps
-    K more fp32 tiles); narrower C shrinks the channel block. Larger tiles spilled registers in
-    the sweeps (2-50× slower)."""
+    K more fp32 tiles); narrower C shrinks the channel block. Larger tiles spill registers."""
     block_c = min(128, triton.next_power_of_2(max(C, 1)))
     return LaunchConfig(
         block_t=32, block_c=block_c, num_warps=4,

@@ -17,28 +17,23 @@ Backward, each ``dy_i`` where autograd hands it over (no ``[T, ΣN]`` copy)::
                                                 thin GEMM, each wide projection accumulating
     dA_i  = dxa_iᵀ·d(x),   dB_i = s_i · dy_iᵀ·xa_i
 
-Dropout: PEFT draws one mask per projection; with dropout the adapter inputs differ, so the
-adapter GEMMs run per projection (each mask regenerated from its seed in backward). The base
-weights are frozen in LoRA training: their concatenation is cached by ``ConcatCache`` and rebuilt
-only when one of them changes (a new tensor or an in-place update); the adapters change every
-optimizer step and are concatenated on every call (Σr·K values: negligible). A cached copy would
-hold every base weight twice (ΣN·K values: 101 MB per GatedDeltaNet at the default dims), so
-``pack_rows`` can first move the weights into one buffer, each its own row slice of it: the
-concatenation is then a view of that buffer, not a copy. Weights that are not one buffer because
-they are gathered anew each step (FSDP2's) are concatenated at each call instead, the copy alive
-only until backward has used it (``ConcatCache(keep_copies=False)``, as the patch asks).
+Dropout: PEFT draws one mask per projection, so with dropout the adapter GEMMs run per projection
+(each mask regenerated from its seed in backward). The frozen base weights' concatenation is
+cached by ``ConcatCache`` until one of them changes (a new tensor or an in-place update); the
+adapters change every step and are concatenated on every call (Σr·K values). ``pack_rows`` first
+moves the base weights into one buffer, each its own row slice, so that the concatenation is a
+view, not a second copy of every weight. Weights gathered anew each step (FSDP2's) are
+concatenated at each call, the copy alive only until backward has used it
+(``ConcatCache(keep_copies=False)``).
 
-The outputs are column blocks of the one ``[T, ΣN]`` buffer ``y``, handed out as tensors of their
-own over its memory (``set_``), not as views. A block is strided (its rows lie ``ΣN`` apart), which
-costs GEMMs, elementwise ops and stride-aware kernels nothing, but a ``reshape`` across its rows
-copies it: the GatedDeltaNet reshapes ``z`` to ``[T·heads, head_dim]`` for its norm. A projection
-named in ``own_buffer`` therefore gets a contiguous buffer of its own, and the base GEMM is split
-at its columns (``y = [y_1 | y_2]``: one GEMM per buffer, each over a row block of ``W``). The blocks
-are not views: autograd forbids in-place edits of views made inside
-a Function, and separate ``nn.Linear`` outputs allow them. That is sound because the blocks are
-disjoint and the backward never reads ``y``: an in-place edit of ``y_i`` changes no other output,
-and autograd hands the Function the edited ``y_i``'s gradient as usual. Each output keeps its own
-version counter, as separate modules' outputs do.
+The outputs are column blocks of one ``[T, ΣN]`` buffer ``y``, handed out as tensors of their own
+over its memory (``set_``), not as views: autograd forbids in-place edits of views made inside a
+Function, and separate ``nn.Linear`` outputs allow them. That is sound because the blocks are
+disjoint and the backward never reads ``y``; each output keeps its own version counter. A block
+is strided (its rows lie ``ΣN`` apart), so a ``reshape`` across its rows copies it: a projection
+named in ``own_buffer`` (the GatedDeltaNet's ``z``, reshaped for its norm) gets a contiguous
+buffer of its own, the base GEMM split at its columns (one GEMM per buffer, each over a row
+block of ``W``).
 """
 
 from __future__ import annotations
@@ -208,7 +203,7 @@ class FusedLoRAProjectionsFunction(torch.autograd.Function):
         offsets, dtype = ctx.offsets, x2d.dtype
         T = x2d.shape[0]
         # Each output's gradient is used as autograd hands it over: gathering them into one
-        # [T, ΣN] buffer for a single dy·W GEMM copied ΣN·T values (0.8 GB at 32k tokens).
+        # [T, ΣN] buffer for a single dy·W GEMM would copy ΣN·T values.
         dys = [None if g is None else g.reshape(T, n).to(dtype) for g, n in zip(grads, out_features)]
         weights = [weight_cat[offsets[i]:offsets[i + 1]] for i in range(len(out_features))]
         A_list, B_list = adapters[0::2], adapters[1::2]
@@ -238,7 +233,7 @@ def _input_gradient(x2d, dys, weights, lora_meta, A_list, dxa_list) -> torch.Ten
 
     One GEMM with a thin inner dimension writes dx first — every adapter's ``dxa_j·A_j`` (no
     dropout) and every narrow projection's ``dy_i·W_i``, concatenated along the inner dimension
-    (``[T, Σr + Σn_narrow]``: 8 MB at 32k tokens); adapters with dropout add their masked term;
+    (``[T, Σr + Σn_narrow]``: thin); adapters with dropout add their masked term;
     then each wide projection's GEMM accumulates onto dx (β = 1, in its compute-bound epilogue).
     """
     dtype = x2d.dtype

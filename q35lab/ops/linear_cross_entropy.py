@@ -65,10 +65,9 @@ def linear_cross_entropy_ref(input, linear_weight, target, *, ignore_index=-100,
         target.shape if reduction == "none" else ())
 
 
-#: Columns of one row that one program handles (the default configuration's). A chunk has few
-#: rows (512 at this vocabulary) and each is 248,320 wide: one program per row would leave the GPU
-#: with 512 long serial loops, so a row is split across programs, which first record a partial
-#: (max, Σexp) each.
+#: Columns of one row that one program handles (the default configuration's): a chunk has few,
+#: very wide rows, so one program a row would leave the GPU a few long serial loops; each program
+#: of a row records a partial (max, Σexp).
 SPLIT_COLS = 16384
 
 
@@ -384,7 +383,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     ``autograd.grad`` twice), the saved gradients must survive for the next backward, so the
     scaled ones are new tensors: that backward holds one more ``[T, H]`` in the compute dtype
     (dx) and one more ``[V, H]`` in the head's dtype (dW, when the head is trained) than the
-    in-place case — at T = 16k, H = 4096, V = 248,320 in bf16, 128 MiB and 1.94 GiB.
+    in-place case.
     """
 
     @staticmethod

@@ -22,10 +22,9 @@ Saved for backward: ``x`` (the caller keeps it anyway), ``xa`` (r values a row) 
 seed — the mask is regenerated, never stored.
 
 Order of the work: the rank-r term is computed first, into the output buffer, and the base GEMM
-then accumulates onto it (``addmm_`` with β = 1). The GEMM is compute-bound, so reading that
-buffer in its epilogue is nearly free; adding the term afterwards would read and write the
-whole ``[T, N]`` output once more at memory speed. The same holds for ``dx`` in the backward.
-Either way the peak holds one ``[T, N]`` output, as the base alone.
+then accumulates onto it (``addmm_`` with β = 1): the compute-bound GEMM reads that buffer in its
+epilogue, where adding the term afterwards would be one more memory-bound pass over ``[T, N]``.
+The same holds for ``dx``.
 
 The output is allocated in its final shape ``[..., N]`` and the GEMMs write its ``[T, N]`` view,
 so the Function returns a tensor of its own, not a view made inside it: autograd forbids in-place

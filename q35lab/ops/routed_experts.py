@@ -7,9 +7,9 @@ transformers' ``Qwen3_5MoeExperts`` computes, for a token ``x_t`` routed to expe
     out_t = Σ_k w_k · down_{e_k}( silu(gate_{e_k}(x_t)) · up_{e_k}(x_t) )
 
 Its grouped-GEMM path gathers the T·K (token, expert) pairs sorted by expert, runs two grouped
-GEMMs, then weights, un-sorts and sums them with PyTorch ops on ``[T·K, hidden]`` tensors (1 GiB
-each at 32k tokens): in the 35B-A3B's step at 32k those ops (and transformers 5.17's masks for
-expert parallelism, applied even on one GPU) took more device time than every GEMM of the step.
+GEMMs, then weights, un-sorts and sums them with PyTorch ops on ``[T·K, hidden]`` tensors (and
+applies masks meant for expert parallelism, even on one GPU): memory-bound passes over tensors K
+times the size of the layer's input.
 
 Here the same sum is computed in rows ``s = 0 … S−1`` (S = T·K), sorted by expert::
 

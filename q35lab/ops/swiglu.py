@@ -105,8 +105,8 @@ def _tile(n_rows, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
     host keeps BLOCK_ROWS·stride below 2³¹).
 
     A 1-D grid, column blocks fastest: programs launched together stream through consecutive
-    memory, as a copy does (a 2-D grid with rows on axis 0 sent them to the same columns of
-    different rows: 2.5-3.5 % slower on the H200)."""
+    memory, as a copy does (a 2-D grid with rows on axis 0 sends them to the same columns of
+    different rows)."""
     pid = tl.program_id(0)
     col_blocks = tl.cdiv(n_cols, BLOCK_COLS)
     row0 = (pid // col_blocks).to(tl.int64) * BLOCK_ROWS
@@ -216,7 +216,7 @@ def _swiglu_bwd_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# Launch configuration (ops/tuned.json may hold a GPU's measured one, keyed by width).
+# Launch configuration (ops/tuned.json may hold a GPU's own, keyed by width).
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LaunchConfig:
@@ -242,11 +242,9 @@ def launch_config(width: int) -> LaunchConfig:
 def _default_config(width: int) -> LaunchConfig:
     """Tiles of 4096 elements, 8 warps (16 values a thread per tensor: two 16-byte loads in
     bf16). Wide rows: column blocks of 2048 or 1024, whichever pads the row less (12288 →
-    2 rows × 2048, 17408 and 5120 → 4 rows × 1024: no padding). Narrow rows: one column block,
-    rows stacked. Measured on the H200 (T = 32k, copy 4.2 TB/s): "hf" forward 4.34 TB/s,
-    "fused" 4.35-4.38, backward 4.29-4.31 at 12288 and 17408 — within 1 % of the best of the
-    tiles tried; more values a thread cost up to half the "hf" forward (its IEEE division is
-    long), and masked half-blocks (17408 in blocks of 2048) 3-6 %."""
+    2 rows × 2048, 17408 and 5120 → 4 rows × 1024: no padding), since masked half-blocks cost
+    bandwidth. Narrow rows: one column block, rows stacked. More values a thread would slow the
+    "hf" forward, whose IEEE division is long."""
     if width > 1024:
         block_cols = min((2048, 1024), key=lambda b: (_padding(width, b), -b))
     else:
