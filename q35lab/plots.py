@@ -7,6 +7,7 @@ curves. One colour per implementation across all figures; ours is drawn last, on
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import matplotlib
 
@@ -14,6 +15,9 @@ if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.b
     matplotlib.use("Agg")  # headless: a PNG needs no display
 
 import matplotlib.pyplot as plt  # noqa: E402
+
+if TYPE_CHECKING:  # annotations only: the frames come from bench.core.read_csv, which imports pandas
+    import pandas
 
 __all__ = ["COLORS", "color_of", "plot_bandwidth", "plot_time", "plot_memory", "op_figure", "ablation_waterfall",
            "step_breakdown_figure", "figure_name", "render"]
@@ -106,7 +110,8 @@ def plot_memory(ax, df, pass_: str, ours: str) -> None:
         if not oom.empty:
             ax.scatter(oom["T"], [top] * len(oom), marker="x", s=60, color=color, zorder=4)
             for t in oom["T"]:
-                ax.annotate("OOM", (t, top), textcoords="offset points", xytext=(0, 4), ha="center", fontsize=7, color=color)
+                ax.annotate("OOM", (t, top), textcoords="offset points", xytext=(0, 4), ha="center", fontsize=7,
+                            color=color)
     ax.set_yscale("log")
     ax.set_ylabel("extra peak memory (MB)")
     _log2_tokens_axis(ax, sub["T"])

@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import csv
 import datetime as _dt
+import functools
 import importlib.metadata
 import math
 import os
 import re
 import statistics
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -69,7 +70,8 @@ def _git_commit() -> str:
         return os.environ["Q35LAB_COMMIT"]
     here = Path(__file__).resolve().parent
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                             timeout=5)
         commit = out.stdout.strip()
         status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":/",
                                  ":(top,exclude)data", ":(top,exclude)notebooks"], cwd=here,
@@ -143,7 +145,7 @@ def measure_ceilings(copy_bytes: int = 2 * 2**30, matmul_n: int = 8192) -> Ceili
     """Copy bandwidth (2 GiB buffer, bytes read + written) and bf16 matmul rate (n³, random data)."""
     src = torch.empty(copy_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
-    copy_ms = _median_event_ms(lambda: dst.copy_(src), reps=20)
+    copy_ms = _median_event_ms(functools.partial(dst.copy_, src), reps=20)
     del src, dst
     a = torch.randn(matmul_n, matmul_n, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(matmul_n, matmul_n, dtype=torch.bfloat16, device="cuda")

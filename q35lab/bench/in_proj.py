@@ -66,7 +66,8 @@ def _build(data: dict, adapters: bool, adapter_fp32: bool = True):
     config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(OUT_FEATURES))
     model = peft.get_peft_model(module, config, autocast_adapter_dtype=adapter_fp32)
     inner = model.base_model.model
-    params = [p for name in OUT_FEATURES for p in load_adapter(getattr(inner, name), data[f"A.{name}"], data[f"B.{name}"])]
+    params = [p for name in OUT_FEATURES
+              for p in load_adapter(getattr(inner, name), data[f"A.{name}"], data[f"B.{name}"])]
     return inner, params
 
 

@@ -16,7 +16,7 @@ import triton
 INTERPRETER_PROGRAMS = 4
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

@@ -29,12 +29,12 @@ def gpu_slug(name: str) -> str:
     return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _table() -> dict:
     return json.loads(TUNED_FILE.read_text()) if TUNED_FILE.exists() else {}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tuned_fields(op: str, n_cols: int | str) -> dict | None:
     """The committed configuration of ``op`` at width ``n_cols`` (or another shape key, e.g.
     ``"248320x4096"``) on this GPU, if there is one."""

@@ -313,8 +313,9 @@ def _causal_conv1d_bwd_kernel(
 
     dx at token t needs dz at t..t+K-1. A tile computes dz once at its BLOCK_T tokens and
     *owns* the first ``BLOCK_T - (K-1)`` of them: the next tile starts at the first token it
-    does not own, so the tile's last K-1 tokens are computed again there. dz at t+s is this tile's dz moved up s rows by ``tl.gather``, where recomputing it per
-    shift would cost K pre-activations a token instead of one.
+    does not own, so the tile's last K-1 tokens are computed again there. dz at t+s is this
+    tile's dz moved up s rows by ``tl.gather``, where recomputing it per shift would cost K
+    pre-activations a token instead of one.
     """
     OWNED: tl.constexpr = BLOCK_T - (K - 1)
     pid_t = tl.program_id(0)
@@ -655,7 +656,8 @@ def _sequence_starts(cu_seqlens: torch.Tensor, B: int, T: int) -> torch.Tensor:
         raise TypeError(f"cu_seqlens: expected dtype int32 or int64, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(
-            f"cu_seqlens: expected a 1-D tensor of N+1 >= 2 cumulative sequence starts, got shape {tuple(cu_seqlens.shape)}"
+            "cu_seqlens: expected a 1-D tensor of N+1 >= 2 cumulative sequence starts, "
+            f"got shape {tuple(cu_seqlens.shape)}"
         )
     if B != 1:
         raise ValueError(f"cu_seqlens: a packed batch needs x of batch size 1, got B = {B}")
@@ -723,7 +725,8 @@ def causal_conv1d(
     if bias is not None:
         check_float_tensor("bias", bias)
         if bias.dim() != 1 or bias.shape[0] != C:
-            raise ValueError(f"bias: expected a 1-D tensor of size {C} (the last dimension of x), got shape {tuple(bias.shape)}")
+            raise ValueError(f"bias: expected a 1-D tensor of size {C} (the last dimension of x), "
+                             f"got shape {tuple(bias.shape)}")
         tensors["bias"] = bias
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation: expected None, 'silu' or 'swish', got {activation!r}")

@@ -46,8 +46,17 @@ import torch
 from ._autograd import first_order_only
 from ._checks import check_float_tensor, check_same_device
 from ._compile import opaque_to_compile
-from ._linear import (cast_factor, check_dropout, check_scaling, compute_dtype, dropout_mask, dropped, row_count,
-                      scaled_b, scaled_product)
+from ._linear import (
+    cast_factor,
+    check_dropout,
+    check_scaling,
+    compute_dtype,
+    dropout_mask,
+    dropped,
+    row_count,
+    scaled_b,
+    scaled_product,
+)
 from ._prepared import prepared
 
 __all__ = ["Projection", "ConcatCache", "pack_rows", "unpack_rows", "fused_lora_projections",
@@ -137,7 +146,8 @@ class ConcatCache:
             weight = torch.cat([p.weight.detach().to(dtype) for p in projections], dim=0)
         bias = None
         if any(p.bias is not None for p in projections):  # ΣN values: always kept
-            bias = torch.cat([(p.bias.detach() if p.bias is not None else torch.zeros(p.weight.shape[0], device=weight.device)).to(dtype)
+            bias = torch.cat([(p.bias.detach() if p.bias is not None
+                               else torch.zeros(p.weight.shape[0], device=weight.device)).to(dtype)
                               for p in projections])
         self._key = key
         self._value = (weakref.ref(weight) if copied and not self.keep_copies else weight, bias)
@@ -154,7 +164,8 @@ def fused_lora_projections_ref(x: torch.Tensor, projections: list[Projection], s
             seed = 0 if seeds is None else seeds[i]
             outs.append(lora_linear_ref(x, p.weight, p.lora_A, p.lora_B, p.scaling, p.bias, p.dropout, seed))
         else:
-            outs.append(torch.nn.functional.linear(x, p.weight.to(x.dtype), None if p.bias is None else p.bias.to(x.dtype)))
+            bias = None if p.bias is None else p.bias.to(x.dtype)
+            outs.append(torch.nn.functional.linear(x, p.weight.to(x.dtype), bias))
     return tuple(outs)
 
 
@@ -173,7 +184,8 @@ class FusedLoRAProjectionsFunction(torch.autograd.Function):
         if lora_meta:
             shared_input = all(dropout == 0.0 for _, _, dropout, _ in lora_meta)
             if shared_input:  # one GEMM for every adapter's A
-                xa = x2d @ prepared(lambda: torch.cat([cast_factor(a, dtype) for a in A_list]), "A rows", dtype, *A_list).t()
+                a_rows = prepared(lambda: torch.cat([cast_factor(a, dtype) for a in A_list]), "A rows", dtype, *A_list)
+                xa = x2d @ a_rows.t()
             else:
                 xa = torch.cat([dropped(x2d, dropout, seed) @ cast_factor(a, dtype).t()
                                 for a, (_, _, dropout, seed) in zip(A_list, lora_meta)], dim=1)

@@ -284,7 +284,7 @@ def _addmm_into_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Non
     torch.ops.aten.addmm.dtype_out(acc, a, b, acc.dtype, out=acc)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _mixed_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``_addmm_into_fp32`` runs for ``dtype`` operands on ``device``: probed once, with
     a 1×1 product, so a real call never has to catch anything. An out-of-memory error is not an

@@ -38,8 +38,20 @@ import torch
 from ._autograd import first_order_only
 from ._checks import check_float_tensor, check_same_device
 from ._compile import opaque_to_compile
-from ._linear import (cast_factor, check_dropout, check_projection_args, check_scaling, compute_dtype, dropout_mask,
-                      dropped, input_grad, project_into, row_count, scaled_b, scaled_product)
+from ._linear import (
+    cast_factor,
+    check_dropout,
+    check_projection_args,
+    check_scaling,
+    compute_dtype,
+    dropout_mask,
+    dropped,
+    input_grad,
+    project_into,
+    row_count,
+    scaled_b,
+    scaled_product,
+)
 
 __all__ = ["lora_linear", "lora_linear_ref", "dropout_mask", "LoRALinearFunction"]
 

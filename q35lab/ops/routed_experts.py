@@ -366,7 +366,8 @@ def _check(x, top_k_index, top_k_weights, gate_up_proj, down_proj) -> None:
                          f"{tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}")
     experts, two_i, hidden = gate_up_proj.shape if gate_up_proj.dim() == 3 else (None, None, None)
     if hidden != x.shape[1] or two_i % 2:
-        raise ValueError(f"gate_up_proj: expected [experts, 2·intermediate, {x.shape[1]}], got {tuple(gate_up_proj.shape)}")
+        raise ValueError(f"gate_up_proj: expected [experts, 2·intermediate, {x.shape[1]}], "
+                         f"got {tuple(gate_up_proj.shape)}")
     if down_proj.shape != (experts, x.shape[1], two_i // 2):
         raise ValueError(f"down_proj: expected {(experts, x.shape[1], two_i // 2)}, got {tuple(down_proj.shape)}")
     if gate_up_proj.requires_grad or down_proj.requires_grad:

@@ -422,7 +422,8 @@ def check_rounding(rounding: object) -> None:
 
 
 @opaque_to_compile
-def swiglu(gate: torch.Tensor, up: torch.Tensor, *, rounding: str = "hf", inplace_backward: bool = True) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, rounding: str = "hf",
+           inplace_backward: bool = True) -> torch.Tensor:
     """SwiGLU: ``silu(gate) · up``, fused, forward and backward.
 
     Args:

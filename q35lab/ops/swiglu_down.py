@@ -66,7 +66,8 @@ class SwiGLUDownFunction(torch.autograd.Function):
         # W is saved as well (a detached view of the parameter: its gradient is the second node's); saving
         # it keeps autograd's check that nothing edits it in place before the backward
         ctx.save_for_backward(g2d if g_copied else gate, u2d if u_copied else up, weight, lora_A, lora_B, xa)
-        ctx.owned, ctx.scaling, ctx.rounding, ctx.config, ctx.inplace = (g_copied, u_copied), scaling, rounding, config, inplace
+        ctx.owned, ctx.scaling, ctx.rounding = (g_copied, u_copied), scaling, rounding
+        ctx.config, ctx.inplace = config, inplace
         ctx.shape, ctx.bias_dtype = gate.shape, None if bias is None else bias.dtype
         return h, t
 
