@@ -117,7 +117,8 @@ def summary(result: dict, steps: int) -> list[str]:
     verdict = "agree" if result["agree"] else "DO NOT agree"
     lines.append(f"the curves {verdict}: largest relative difference {result['max_rel_difference']:.1e} "
                  f"(bound {LOSS_RTOL:g}, as both train under bf16 autocast)")
-    lines.append(f"time: unpatched {result['unpatched_s']:.1f} s, patched {result['patched_s']:.1f} s for {steps} steps")
+    lines.append(f"time: unpatched {result['unpatched_s']:.1f} s, patched {result['patched_s']:.1f} s "
+                 f"for {steps} steps")
     return lines
 
 
