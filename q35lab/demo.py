@@ -111,7 +111,7 @@ def _where() -> str:
 
 def summary(result: dict, steps: int) -> list[str]:
     """The lines ``demo`` prints for a ``compare`` result."""
-    lines = [str(result["report"]), "", "step   unpatched loss   patched loss   relative difference"]
+    lines = [str(result["report"]), "step   unpatched loss   patched loss   relative difference"]
     for step, (u, p) in enumerate(zip(result["unpatched"], result["patched"]), 1):
         lines.append(f"{step:>4}   {u:>14.5f}   {p:>12.5f}   {abs(p - u) / abs(u):>19.1e}")
     verdict = "agree" if result["agree"] else "DO NOT agree"
