@@ -90,6 +90,14 @@ def _full_depth(frame):
     return frame[depth.eq(frame["layers"]) & (batch == "")]
 
 
+def _size_order(size: str) -> tuple:
+    """The e2e sizes in their own order (smallest dense first, the MoE last), any other after them."""
+    from .e2e.model import SIZES
+
+    known = list(SIZES)
+    return (known.index(size), "") if size in known else (len(known), size)
+
+
 def _one(rows, source: str, **where):
     for column, value in where.items():
         rows = rows[rows[column].eq(value)]
@@ -222,8 +230,7 @@ def _sizes_section(data: Path) -> list[str]:
     frame = frame[frame.variant.isin(HEADLINE)]
     newest = frame.sort_values(["date", "order"]).groupby(["size", "T", "variant"]).tail(1)
     table = []
-    sizes = sorted(newest["size"].unique(), key=lambda s: (s.endswith("a3b"), float(s.split("b")[0])))
-    for size in sizes:
+    for size in sorted(newest["size"].unique(), key=_size_order):
         for T in sorted(newest[newest["size"].eq(size)]["T"].unique()):
             here = newest[newest["size"].eq(size) & newest["T"].eq(T)]
             ours = here[here.variant.eq("q35lab") & here.status.eq("ok")]
@@ -252,21 +259,23 @@ def _breakdown_section(data: Path) -> list[str]:
     newest = frame.sort_values(["date", "order"]).groupby("size").tail(1)
     categories = list(dict.fromkeys(frame.category))
     table, floors = [], []
-    for size in sorted(newest["size"], key=lambda s: (s.endswith("a3b"), float(s.split("b")[0]))):
+    for size in sorted(newest["size"], key=_size_order):
         commit = newest[newest["size"].eq(size)].commit.iloc[0]
         rows = frame[frame["size"].eq(size) & frame.commit.eq(commit)].set_index("category")
         top = rows.iloc[0]
-        table.append([size, _short_ms(top.device_ms), *(_short_ms(rows.ms.get(c, 0.0)) for c in categories),
+        parts = [_short_ms(rows.ms.get(category, 0.0)) for category in categories]
+        table.append([size, f"{top['T']:,}", _short_ms(top.device_ms), *parts,
                       f"{commit}, {top.date}"])
         floors.append([size, _short_ms(top.floor_gemm_ms), _short_ms(top.floor_attention_ms),
                        _short_ms(top.floor_core_ms), _short_ms(top.floor_streaming_ms), _short_ms(top.floor_total_ms),
                        _short_ms(top.step_ms), _times(top.step_ms / top.floor_total_ms)])
     return ["## Where the step goes", "",
-            "One more step profiled in the process of each size's timed step at 32k: its device time by kernel "
+            "One more step profiled in the process of each size's timed step: its device time by kernel "
             f"category, and its floor: each part's work at the rates measured in the same process (the GEMMs' FLOPs "
             f"at a square bf16 matmul's rate, attention and the delta rule as their kernels alone on the layer's "
             f"shapes, the streaming ops at copy speed); [`step_breakdown.csv`](data/bench/{H200}/step_breakdown.csv).",
-            "", *_table(["model", "device time", *categories, "call"], table, "l" + "r" * (len(categories) + 1) + "l"),
+            "", *_table(["model", "T", "device time", *categories, "call"], table,
+                        "l" + "r" * (len(categories) + 2) + "l"),
             "", *_table(["model", "GEMM floor", "attention floor", "delta-rule floor", "streaming floor", "floor",
                          "timed step", "step / floor"], floors, "lrrrrrrr"),
             "", f"![q35lab's 9B step at 32k against its floor](data/figures/step_breakdown-9b_{H200}.png)", ""]
@@ -352,7 +361,7 @@ def _fit_section(data: Path, gpu: str = H100) -> list[str]:
 
 
 def _long_section(data: Path) -> list[str]:
-    return [*_longest_section(data), "### What each option costs a 32k step", "",
+    return [*_longest_section(data), "### What each option costs a step that needs none", "",
             "Each long-context option beside plain q35lab in the same call, at a length that needs none of them.", "",
             *_option_costs(data, H200), *_option_costs(data, H100), *_fit_section(data)]
 
@@ -361,8 +370,8 @@ def _packed_section(data: Path) -> list[str]:
     import pandas as pd
 
     lines = ["## Packed batches", "",
-             "The 9B, a step of 32k real tokens of an SFT length mix: packed into one row "
-             "(`DataCollatorWithFlattening`), or padded per micro-batch. Real tokens a second; ratios within one call.",
+             "The 9B, a step of an SFT length mix's real tokens: packed into one row (`DataCollatorWithFlattening`), "
+             "or padded per micro-batch. Real tokens a second; ratios within one call.",
              ""]
     for gpu in (H200, H100):
         parts = [_read(data, gpu, "packed_vs_padded.csv")]
@@ -377,20 +386,21 @@ def _packed_section(data: Path) -> list[str]:
                 other = rows[rows.variant.eq(row.variant) & rows["batch"].ne(row["batch"]) & rows.status.eq("ok")]
                 ours = rows[rows.variant.eq("q35lab") & rows["batch"].eq(row["batch"]) & rows.status.eq("ok")]
                 if row.status != "ok":
-                    table.append([f"{commit}, {row.date}", NAMES[row.variant], row["batch"], _outcome(row),
+                    table.append([f"{commit}, {row.date}", NAMES[row.variant], row["batch"], "", _outcome(row),
                                   "", "", "", ""])
                     continue
                 packing = (_times(row.real_tokens_per_s / other.iloc[0].real_tokens_per_s)
                            if row["batch"] == "packed" and not other.empty else "")
                 vs = "" if row.variant == "q35lab" or ours.empty else _times(ours.iloc[0].real_tokens_per_s
                                                                              / row.real_tokens_per_s)
-                table.append([f"{commit}, {row.date}", NAMES[row.variant], row["batch"], _count(row.real_tokens_per_s),
+                table.append([f"{commit}, {row.date}", NAMES[row.variant], row["batch"], _count(row.real_tokens),
+                              _count(row.real_tokens_per_s),
                               _seconds(row.step_ms), _gib(row.peak_gib), packing, vs])
         sources = ", ".join(f"[`{name}`](data/bench/{gpu}/{name})"
                             for name in (["end_to_end.csv"] if gpu == H200 else []) + ["packed_vs_padded.csv"])
         lines += [f"**{frame.gpu.iloc[0]}** ({sources}):", "",
-                  *_table(["call", "variant", "batch", "real tokens / s", "step", "peak memory", "packed / padded",
-                           "q35lab's speed-up"], table, "lllrrrrr"), ""]
+                  *_table(["call", "variant", "batch", "real tokens", "real tokens / s", "step", "peak memory",
+                           "packed / padded", "q35lab's speed-up"], table, "lllrrrrrr"), ""]
     return lines
 
 
