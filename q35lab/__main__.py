@@ -1,4 +1,7 @@
-"""Command line: python -m q35lab {bench,check,plots,plan}.
+"""Command line: python -m q35lab {demo,bench,check,plots,plan}.
+
+  demo                      the first command to run: a tiny model trained unpatched and patched, a short
+                            summary (on a GPU, also one step at the 9B's dimensions against PEFT)
 
   bench [OPS...] [--quick]  on a GPU, sweep the ops against their peers and write
                             data/bench/<gpu>/<op>.csv, the numerics at real sizes and the figures;
@@ -128,10 +131,14 @@ def _gibibytes(text: str) -> float:
 
 
 def _parser(known: list[str]) -> argparse.ArgumentParser:
+    from .demo import __doc__ as demo_doc, add_arguments as demo_arguments
+
     parser = argparse.ArgumentParser(prog="python -m q35lab", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=f"ops: {', '.join(known)}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,check,plots,plan}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,check,plots,plan}")
+    demo_arguments(sub.add_parser("demo", help="train a tiny model unpatched and patched: the first command to run",
+                                  description=demo_doc, formatter_class=argparse.RawDescriptionHelpFormatter))
     ops_help = f"ops to run (default: all): {', '.join(known)}"
     bench = sub.add_parser("bench", help="sweep ops against peers (GPU) or smoke-check them (CPU)",
                            description="Sweep ops against their peers on a GPU; without one, run the "
@@ -242,6 +249,10 @@ def main(argv=None) -> int:
 
     parser = _parser(sorted(harness.discover()))
     args = parser.parse_args(argv)
+    if args.command == "demo":
+        from .demo import run
+
+        return run(args)
     if args.command == "plots":
         return _plots(parser, args.data)
     if args.command == "plan":
