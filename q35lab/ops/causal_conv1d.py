@@ -417,7 +417,7 @@ def _causal_conv1d_bwd_kernel(
 
 # --------------------------------------------------------------------------------------------
 # Launch configuration: defaults from a small sweep on an H200 (Triton 3.6, C = 8192, K = 4,
-# T = 32k, bf16); scripts/tune_causal_conv1d.py measures a GPU's own into ops/tuned.json.
+# T = 32k, bf16); python -m q35lab tune causal_conv1d measures a GPU's own into ops/tuned.json.
 # Under the interpreter num_warps is ignored.
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -446,7 +446,7 @@ class LaunchConfig:
 @functools.lru_cache(maxsize=64)
 def launch_config(C: int, K: int) -> LaunchConfig:
     """This GPU's ``tuned.json`` entry for ``C`` channels and a ``K``-tap filter (key ``"CxK"``,
-    written by ``scripts/tune_causal_conv1d.py``) over the default's other fields, else the
+    written by ``python -m q35lab tune causal_conv1d``) over the default's other fields, else the
     default. A tuning script passes ``config=`` to the host functions instead."""
     return tuned_config("causal_conv1d", f"{C}x{K}", _default_config(C, K))
 

@@ -192,7 +192,7 @@ def _offset_rms_norm_bwd_kernel(
 # --------------------------------------------------------------------------------------------
 # Launch configuration: this GPU's entry in ops/tuned.json if there is one, else the heuristic
 # below, itself tuned on an H200 (data/bench/nvidia-h200/offset_rms_norm_tuning.csv;
-# scripts/tune_offset_rms_norm.py). Under the interpreter num_warps is ignored.
+# python -m q35lab tune offset_rms_norm). Under the interpreter num_warps is ignored.
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LaunchConfig:
