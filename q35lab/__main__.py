@@ -1,4 +1,4 @@
-"""Command line: python -m q35lab {demo,bench,check,plots,plan}.
+"""Command line: python -m q35lab {demo,bench,check,plots,plan,tune}.
 
   demo                      the first command to run: a tiny model trained unpatched and patched, a short
                             summary (on a GPU, also one step at the 9B's dimensions against PEFT)
@@ -13,6 +13,8 @@
                             how long a Qwen3.5 LoRA step can be here: the longest step the memory
                             model predicts to fit, or with --tokens the plan for that step, and the
                             apply_to_qwen3_5(model, long_context=...) call that turns it on
+  tune OP [OPTIONS...]      on a GPU, time OP's launch configurations and record the fastest for
+                            this GPU in q35lab/ops/tuned.json (python -m q35lab tune OP --help)
 
 The results folder is --out / --data when given, else $Q35LAB_DATA, else the checkout's data/
 (or ./data when q35lab is installed rather than run from a checkout).
@@ -136,7 +138,7 @@ def _parser(known: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m q35lab", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=f"ops: {', '.join(known)}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,check,plots,plan}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,check,plots,plan,tune}")
     demo_arguments(sub.add_parser("demo", help="train a tiny model unpatched and patched: the first command to run",
                                   description=demo_doc, formatter_class=argparse.RawDescriptionHelpFormatter))
     ops_help = f"ops to run (default: all): {', '.join(known)}"
@@ -175,6 +177,14 @@ def _parser(known: list[str]) -> argparse.ArgumentParser:
                       help="the host memory the checkpoint offload may take, of which it leaves "
                            "min(16 GiB, a quarter) free (default: what this machine has available; 0: no offload)")
     plan.add_argument("--rank", type=_positive_int, default=16, help="the LoRA rank on every linear layer (default: 16)")
+    from .bench.tune import TUNABLE
+
+    tune = sub.add_parser("tune", help="time an op's launch configurations on this GPU and record the fastest",
+                          description="Time an op's launch configurations on this GPU (a CUDA GPU: compiled "
+                                      "kernels) and record the fastest in q35lab/ops/tuned.json.")
+    tune.add_argument("op", type=_op_name(list(TUNABLE)), metavar="OP", help=f"the op to tune: {', '.join(TUNABLE)}")
+    tune.add_argument("options", nargs=argparse.REMAINDER,
+                      help="the op's own options (python -m q35lab tune OP --help)")
     return parser
 
 
@@ -257,6 +267,10 @@ def main(argv=None) -> int:
         return _plots(parser, args.data)
     if args.command == "plan":
         return _plan(parser, args)
+    if args.command == "tune":
+        from .bench import tune
+
+        return tune.main(args.op, args.options)
     if args.command == "check" or runtime.smoke():
         if args.command == "bench":
             print("No CUDA GPU: running the correctness checks through the Triton interpreter at tiny "

@@ -90,9 +90,9 @@ def test_a_peer_outside_the_bound_is_reported_but_does_not_fail_the_check():
 
 
 def test_e2e_help_names_its_command_and_every_option_has_a_help_text():
-    from q35lab import e2e
+    from q35lab.bench.e2e import cli
 
-    parser = e2e._parser()
+    parser = cli._parser()
     assert parser.prog == "python -m q35lab.e2e"
     undocumented = [a.option_strings for a in parser._actions if not a.help]
     assert undocumented == []

@@ -3,7 +3,10 @@
 import collections
 import json
 import math
+import pathlib
 import random
+import re
+import sys
 
 import subprocess
 import types
@@ -16,6 +19,8 @@ import triton.language as tl
 
 import q35lab
 from q35lab import e2e
+from q35lab.bench.e2e import cli, peers
+from q35lab.bench.e2e.timer import _Stamp
 from q35lab.runtime import device
 from tiny_models import loss_and_grads
 
@@ -140,7 +145,7 @@ def test_region_union_counts_overlapping_intervals_once():
     origin = timer.origin.time
 
     def stamp(ms):
-        s = e2e._Stamp("cpu")
+        s = _Stamp("cpu")
         s.time = origin + ms / 1e3
         return s
 
@@ -167,7 +172,7 @@ def _search(peak, limit, budget=None, **options):
     args = argparse.Namespace(**{**dict(T=[8192, 32768], fit=True, fit_max=10**7, fit_from=0, fit_step=1.03),
                                  **options})
     seen, tried = {}, []
-    for T in e2e._sizes(args, seen, budget):
+    for T in cli._sizes(args, seen, budget):
         assert T not in seen and T % 4096 == 0 and T <= args.fit_max
         tried.append(T)
         seen[T] = ("ok", float(peak(T))) if peak(T) <= limit else ("oom", math.nan)
@@ -221,11 +226,11 @@ def test_fit_search_starts_at_fit_from_stops_at_fit_max_and_at_an_error():
     tried, found = _search(line, 10**15, budget=10**15, fit_max=200_000)
     assert found == tried[-1] == 196_608  # nothing beyond --fit-max (to a multiple of 4096)
     seen = {8192: ("ok", 1.0), 32768: ("error", math.nan)}
-    sizes = e2e._sizes(argparse.Namespace(T=[8192, 32768], fit=True, fit_max=10**6, fit_from=0, fit_step=1.03), seen)
+    sizes = cli._sizes(argparse.Namespace(T=[8192, 32768], fit=True, fit_max=10**6, fit_from=0, fit_step=1.03), seen)
     assert list(sizes) == [8192, 32768]  # an error is not a limit: the search ends
     args = argparse.Namespace(T=[4096], fit=False, fit_max=10**6, fit_from=0, fit_step=1.03)
-    assert list(e2e._sizes(args)) == [4096] and e2e._longest_asked(args) == 4096
-    assert e2e._longest_asked(argparse.Namespace(T=[4096], fit=True, fit_max=300_000)) == 300_000
+    assert list(cli._sizes(args)) == [4096] and cli._longest_asked(args) == 4096
+    assert cli._longest_asked(argparse.Namespace(T=[4096], fit=True, fit_max=300_000)) == 300_000
 
 
 def test_an_out_of_memory_row_says_where_and_keeps_the_allocators_account():
@@ -250,7 +255,7 @@ def test_an_out_of_memory_row_says_where_and_keeps_the_allocators_account():
 def test_a_row_runs_out_of_memory_whether_the_allocator_or_a_triton_launch_says_so(monkeypatch):
     from q35lab.bench.e2e import cli
 
-    args = e2e._parser().parse_args(["--out", "x.csv", "--T", "4096", "--fit"])
+    args = cli._parser().parse_args(["--out", "x.csv", "--T", "4096", "--fit"])
     for raised, status, said in [
         (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB."), "oom", "Tried to allocate"),
         (RuntimeError("Triton Error [CUDA]: out of memory"), "oom", "Triton Error [CUDA]: out of memory"),
@@ -305,13 +310,42 @@ def test_unknown_variant_is_refused():
 def test_axolotl_packing_forward_only_where_the_batch_is_not_padded(monkeypatch, variant, batch, packing):
     """axolotl installs its packing forward for sample packing only; a padded run of several rows
     must not get it (it turns their position_ids into one set of cu_seqlens, which FLA refuses)."""
-    from q35lab.bench.e2e import variants
-
     seen = []
-    monkeypatch.setattr(variants, "_axolotl_patches",
+    monkeypatch.setattr(peers.recipe("axolotl"), "patch",
                         lambda model, packing=None, liger=False: seen.append((packing, liger)) or "patched")
     assert e2e.prepare(_model(), variant, tokens=16, batch=batch) == "patched"
     assert seen == [(packing, variant == "peft+liger+axolotl")]
+
+
+def test_no_module_of_the_wheel_imports_a_peers_training_stack():
+    """axolotl and Unsloth are imported only by the recipes of benchmarks/peers/ and by the per-op
+    sweeps (q35lab/bench/<op>.py, which time a peer's kernel where it is installed)."""
+    package = pathlib.Path(q35lab.__file__).parent
+    importing = re.compile(r"^\s*(import|from)\s+(axolotl|unsloth)\b", re.M)
+    sweeps = {path for path in (package / "bench").glob("*.py") if path.stem not in ("__init__", "core", "spec")}
+    offenders = [str(path.relative_to(package)) for path in package.rglob("*.py")
+                 if importing.search(path.read_text()) and path not in sweeps]
+    assert offenders == []
+    assert sweeps and any(importing.search(path.read_text()) for path in sweeps)  # the check sees an import
+
+
+def test_a_peer_variant_without_a_checkout_says_where_its_recipe_lives(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(peers, "benchmarks_folder", lambda: None)
+    monkeypatch.delitem(sys.modules, "q35lab_peers.axolotl", raising=False)
+    with pytest.raises(peers.RecipeNotFound, match="run from a checkout of the repository: peers' recipes live in"):
+        e2e.prepare(_model(), "peft+axolotl")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--variants", "q35lab", "unsloth", "--T", "16", "--out", str(tmp_path / "rows.csv")])
+    assert exit_.value.code == 2
+    assert "--variants unsloth: run from a checkout of the repository" in capsys.readouterr().err
+    assert not (tmp_path / "rows.csv").exists()
+
+
+def test_a_peer_recipe_is_found_in_the_checkout_and_loaded_once():
+    axolotl = peers.recipe("axolotl")
+    assert pathlib.Path(axolotl.__file__) == pathlib.Path(q35lab.__file__).parents[1] / "benchmarks/peers/axolotl.py"
+    assert peers.recipe("axolotl") is axolotl and peers.missing(["q35lab", "unsloth", "peft+axolotl"]) == []
+    assert set(peers.RECIPES) == {v for v in e2e.VARIANTS if "axolotl" in v or v == "unsloth"}
 
 
 @pytest.mark.parametrize("flag", ["lora", "varlen_attention"])
@@ -505,7 +539,7 @@ def test_axolotl_packing_forward_runs_the_gated_delta_net_in_proj_and_out_proj_k
 
     reference = layer_run(_model())
     model = _model()
-    report = e2e._axolotl_patches(model, packing=True)
+    report = peers.recipe("axolotl").patch(model, packing=True)
     assert "in_proj fused on 3 GatedDeltaNets, out_proj on 3" in report
     calls = _counting(monkeypatch, lora, ["LoRA_FusedProj", "LoRA_O"])
     out, dx, grads = layer_run(model)
@@ -975,7 +1009,7 @@ def test_unsloth_checkpoint_loads_back_as_the_same_model(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from q35lab.bench.e2e.model import base_model
-    from q35lab.bench.e2e.unsloth import write_checkpoint
+    write_checkpoint = peers.recipe("unsloth").write_checkpoint  # benchmarks/peers/unsloth.py
 
     built = base_model("tiny", layers=4, seed=int(torch.randint(0, 2**31, ())))  # fresh weights each run
     folder = write_checkpoint(built, tmp_path / "ckpt")

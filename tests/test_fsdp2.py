@@ -233,7 +233,7 @@ def _logs(out: Path) -> str:
 
 
 #: What the ranks' environment sets: no GPU, and the Triton interpreter (a GPU machine runs this
-#: file's CPU test like any other; its GPU path is measured by scripts/fsdp2_step.py)
+#: file's CPU test like any other; its GPU path is measured by benchmarks/fsdp2_step.py)
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": "", "Q35LAB_INTERPRET": "1"}
 
 

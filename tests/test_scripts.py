@@ -1,4 +1,5 @@
-"""The device scripts' pure parts, on the CPU: the wheel slimming that makes a carry fit."""
+"""The device harness's pure parts (dev/), on the CPU: the wheel slimming for an offline machine, the
+join of a call's rows; and the conv tuning's choice (python -m q35lab tune)."""
 
 import importlib.util
 import random
@@ -8,13 +9,16 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(name: str):
-    sys.path.insert(0, str(ROOT / "scripts"))  # as when the script runs: its folder first (for _wheel)
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+def _load(path: str):
+    """The script at ``path`` (from the repository's root, without ``.py``), as a module."""
+    script = ROOT / f"{path}.py"
+    sys.path.insert(0, str(script.parent))  # as when the script runs: its folder first (for _wheel)
+    spec = importlib.util.spec_from_file_location(script.stem, script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -30,7 +34,7 @@ def _fake_wheel(path: Path, files: list[str]) -> Path:
 
 
 def test_slim_transformers_keeps_the_named_model_folders_and_everything_outside_the_models(tmp_path):
-    slim = _load("slim_transformers")
+    slim = _load("dev/offline/slim_transformers")
     folders = random.sample(["qwen3_5", "llama", "bert", "gemma", "bloom", "auto", "t5"], 5)
     keep = set(folders[:2])
     files = ["transformers/__init__.py", "transformers/utils/import_utils.py", "transformers/models/__init__.py",
@@ -52,11 +56,11 @@ def test_slim_transformers_keeps_the_named_model_folders_and_everything_outside_
                                           ("transformers/modeling_utils.py", None),
                                           ("transformers-5.24.0.dist-info/RECORD", None)])
 def test_a_file_belongs_to_the_model_folder_it_sits_in(name, folder):
-    assert _load("slim_transformers")._model_folder(name) == folder
+    assert _load("dev/offline/slim_transformers")._model_folder(name) == folder
 
 
 def test_slim_unsloth_drops_the_studio_app_and_cli_only(tmp_path):
-    slim = _load("slim_unsloth")
+    slim = _load("dev/offline/slim_unsloth")
     files = ["unsloth/__init__.py", "unsloth/kernels/fast_lora.py", "studio/frontend/app.js", "studio/backend/main.py",
              "unsloth_cli/commands/train.py", "unsloth-0.0.dist-info/METADATA"]
     out = slim.slim(_fake_wheel(tmp_path / "unsloth-0.0-py3-none-any.whl", files), tmp_path / "out")
@@ -69,7 +73,7 @@ def test_slim_unsloth_drops_the_studio_app_and_cli_only(tmp_path):
 
 
 def test_slim_bitsandbytes_keeps_the_cpu_and_cuda_13_libraries_only(tmp_path):
-    slim = _load("slim_bitsandbytes")
+    slim = _load("dev/offline/slim_bitsandbytes")
     libraries = [f"bitsandbytes/libbitsandbytes_{v}.so" for v in ("cpu", "cuda130", "cuda131", "cuda128", "rocm62")]
     files = ["bitsandbytes/__init__.py", *libraries]
     out = slim.slim(_fake_wheel(tmp_path / "bitsandbytes-0.0-py3-none-any.whl", files), tmp_path / "out")
@@ -80,9 +84,9 @@ def test_slim_bitsandbytes_keeps_the_cpu_and_cuda_13_libraries_only(tmp_path):
 
 
 def test_the_conv_tuning_keeps_the_fastest_tiles_of_the_fine_tune_and_their_best_split():
-    """scripts/tune_causal_conv1d.py: each pass's fastest configuration is saved, the trainable
+    """python -m q35lab tune causal_conv1d: each pass's fastest configuration is saved, the trainable
     conv's backward (dW) with tiles of its own, whatever the dx-only backward chose."""
-    module = _load("tune_causal_conv1d")
+    from q35lab.bench.tune import causal_conv1d as module
 
     def row(pass_, ms, **fields):
         return dict(pass_=pass_, ms=ms, config=str(fields), **fields)
@@ -102,12 +106,12 @@ def test_the_conv_tuning_keeps_the_fastest_tiles_of_the_fine_tune_and_their_best
                for options in module.CANDIDATES.values() for c in options)
 
 
-# scripts/join_calls.py: one device call's rows joined to the rows of every earlier call
+# dev/join_calls.py: one device call's rows joined to the rows of every earlier call
 def test_a_call_keeps_the_other_calls_baselines_and_replaces_its_own_rows():
     kept = pd.DataFrame({"variant": ["q35lab", "q35lab+offload", "q35lab", "q35lab+tiled"],
                          "commit": ["aaa", "aaa", "bbb", "bbb"], "step_ms": [1.0, 2.0, 3.0, 4.0]})
     call = pd.DataFrame({"variant": ["q35lab", "q35lab+tiled"], "commit": ["bbb", "bbb"], "step_ms": [5.0, 6.0]})
-    joined = _load("join_calls").join(call, kept)
+    joined = _load("dev/join_calls").join(call, kept)
     by_key = joined.set_index(["variant", "commit"]).step_ms
     assert len(joined) == 4 and by_key["q35lab", "aaa"] == 1.0 and by_key["q35lab+offload", "aaa"] == 2.0
     assert by_key["q35lab", "bbb"] == 5.0 and by_key["q35lab+tiled", "bbb"] == 6.0
@@ -116,7 +120,7 @@ def test_a_call_keeps_the_other_calls_baselines_and_replaces_its_own_rows():
 def test_a_new_commit_adds_rows_beside_the_same_variants_of_older_calls():
     kept = pd.DataFrame({"variant": ["q35lab"], "commit": ["aaa"], "step_ms": [1.0]})
     call = pd.DataFrame({"variant": ["q35lab"], "commit": ["ccc"], "step_ms": [2.0]})
-    joined = _load("join_calls").join(call, kept)
+    joined = _load("dev/join_calls").join(call, kept)
     assert list(zip(joined.variant, joined.commit)) == [("q35lab", "aaa"), ("q35lab", "ccc")]
 
 
@@ -124,5 +128,32 @@ def test_a_packed_and_a_padded_row_of_one_variant_and_call_both_stay():
     kept = pd.DataFrame({"variant": ["q35lab"], "batch": ["packed"], "commit": ["aaa"], "step_ms": [1.0]})
     call = pd.DataFrame({"variant": ["q35lab", "q35lab"], "batch": ["padded", "packed"], "commit": ["aaa", "aaa"],
                          "step_ms": [4.0, 2.0]})
-    joined = _load("join_calls").join(call, kept).set_index(["batch"]).step_ms
+    joined = _load("dev/join_calls").join(call, kept).set_index(["batch"]).step_ms
     assert len(joined) == 2 and joined["padded"] == 4.0 and joined["packed"] == 2.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a CUDA GPU")
+@pytest.mark.parametrize("op", ["causal_conv1d", "gated_rms_norm", "linear_cross_entropy", "offset_rms_norm"])
+def test_tune_without_a_gpu_is_a_usage_error_that_says_why(op, capsys, tmp_path):
+    from q35lab.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["tune", op, "--out", str(tmp_path / "tuning.csv")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"usage: python -m q35lab tune {op}" in err and "it needs a CUDA GPU" in err
+    assert not (tmp_path / "tuning.csv").exists()
+
+
+def test_tune_names_the_ops_it_tunes(capsys):
+    from q35lab import bench
+    from q35lab.__main__ import main
+    from q35lab.bench import tune
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["tune", "swiglu"])
+    assert exit_.value.code == 2
+    assert "unknown op 'swiglu'; known ops: " + ", ".join(tune.TUNABLE) in capsys.readouterr().err
+    assert set(tune.TUNABLE) <= set(bench.discover())  # each one an op of the harness
+    with pytest.raises(ValueError, match="op: expected one of causal_conv1d"):
+        tune.main("swiglu", [])

@@ -2,8 +2,8 @@
 
 ``tuned.json`` maps a GPU (its slug, e.g. ``nvidia-h200``) to an op to a shape key (a row width,
 or e.g. ``"248320x4096"``) to fields of that op's ``LaunchConfig``. It is written by the op's
-tuning script on that GPU and read at the first launch; GPUs it does not list get the op's
-heuristic defaults.
+tuning on that GPU (``python -m q35lab tune OP``) and read at the first launch; GPUs it does not
+list get the op's heuristic defaults.
 
 Every op chooses its launch the same way: ``launch_config(shape key)`` is
 ``tuned_config(op, key, heuristic default)``, and its host functions take ``config=`` (None: that).

@@ -415,7 +415,7 @@ def _causal_conv1d_bwd_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# Launch configuration: a default for any GPU; scripts/tune_causal_conv1d.py records a GPU's own
+# Launch configuration: a default for any GPU; python -m q35lab tune causal_conv1d records a GPU's own
 # in ops/tuned.json. Under the interpreter num_warps is ignored.
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -444,7 +444,7 @@ class LaunchConfig:
 @functools.lru_cache(maxsize=64)
 def launch_config(C: int, K: int) -> LaunchConfig:
     """This GPU's ``tuned.json`` entry for ``C`` channels and a ``K``-tap filter (key ``"CxK"``,
-    written by ``scripts/tune_causal_conv1d.py``) over the default's other fields, else the
+    written by ``python -m q35lab tune causal_conv1d``) over the default's other fields, else the
     default. A tuning script passes ``config=`` to the host functions instead."""
     return tuned_config("causal_conv1d", f"{C}x{K}", _default_config(C, K))
 

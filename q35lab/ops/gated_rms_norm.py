@@ -198,7 +198,7 @@ def _gated_rms_norm_bwd_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# Launch configuration (tuned per GPU by scripts/tune_gated_rms_norm.py into ops/tuned.json).
+# Launch configuration (tuned per GPU by python -m q35lab tune gated_rms_norm into ops/tuned.json).
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LaunchConfig:

@@ -106,7 +106,7 @@ class LaunchConfig:
 
 def launch_config(vocab: int, hidden: int | None, dtype: torch.dtype) -> LaunchConfig:
     """This GPU's tuned configuration for ``vocab × hidden`` (tuned.json, written by
-    ``scripts/tune_linear_cross_entropy.py``), else ``_default_config``. Not cached: it is one
+    ``python -m q35lab tune linear_cross_entropy``), else ``_default_config``. Not cached: it is one
     dictionary lookup a loss call, and the defaults read ``CHUNK_BYTES`` when called."""
     default = _default_config(vocab, dtype)
     return default if hidden is None else tuned_config("linear_cross_entropy", f"{vocab}x{hidden}", default)

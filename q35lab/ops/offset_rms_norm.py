@@ -191,7 +191,7 @@ def _offset_rms_norm_bwd_kernel(
 
 # --------------------------------------------------------------------------------------------
 # Launch configuration: this GPU's entry in ops/tuned.json if there is one, else the heuristic
-# below (scripts/tune_offset_rms_norm.py sweeps the choices; its results live in data/bench/).
+# below (python -m q35lab tune offset_rms_norm sweeps the choices; its results live in data/bench/).
 # Under the interpreter num_warps is ignored.
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)

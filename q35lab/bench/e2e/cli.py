@@ -44,6 +44,7 @@ from .kernels import breakdown, profile_step
 from .floor import floor_inputs, step_floor
 from .memory import is_out_of_memory, memory_at_peak, out_of_memory_note
 from .model import SIZES, build, config
+from . import peers
 from .step import measure, measure_layer
 from .variants import VARIANTS, prepare, report_text
 
@@ -182,14 +183,13 @@ def _write_line(path, row: dict) -> None:
 
 
 def _built(args, device):
-    """The variant's LoRA model: ``build``'s, or for "unsloth" the same weights through Unsloth's loader."""
+    """The variant's LoRA model: ``build``'s, or for "unsloth" the same weights through Unsloth's loader
+    (``benchmarks/peers/unsloth.py``)."""
     if args.variant != "unsloth":
         return build(args.size, args.layers, args.rank, device=device, attention=args.attention)
     if device.type != "cuda":
         raise ImportError("unsloth: its training path needs a CUDA GPU", name="unsloth (needs a CUDA GPU)")
-    from . import unsloth
-
-    return unsloth.build(args.size, args.layers, args.rank, _longest_asked(args))
+    return peers.recipe("unsloth").build(args.size, args.layers, args.rank, _longest_asked(args))
 
 
 def _one_variant(args) -> None:
@@ -288,10 +288,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.variant:
         _one_variant(args)
         return 0
+    absent = peers.missing(args.variants)
+    if absent and not args.merge_leftovers:
+        parser.error(f"--variants {' '.join(absent)}: run from a checkout of the repository: peers' recipes live "
+                     "in benchmarks/peers/, not in the wheel")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     lines, breakdown_lines = out.with_suffix(".jsonl"), _breakdown_lines(out)

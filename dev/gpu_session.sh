@@ -1,83 +1,79 @@
 #!/usr/bin/env bash
-# One device call a stage (each under 10 minutes); every step packs what it has into
-# $OUT/results.tgz (scripts/gpu_run.sh), so a call cut short still returns its results.
-# Carry .whl (the slim Triton, fla, liger, cut-cross-entropy); for `peers` also .whl-peers (axolotl
-# 0.21, its slimmed bitsandbytes, addict, and pydantic with its three dependencies: axolotl's Liger
-# integration imports them); for `notebooks` also .whl-notebooks (nbmake, ipykernel and theirs).
-# All three together are over the 64 MiB a call carries.
+# The measurement sets behind the committed results, a stage each (dev/README.md maps every file of
+# data/bench/ to its stage). Each step of a stage runs under a time limit through dev/gpu_run.sh,
+# which writes data/bench/<gpu>/ (and, where $OUT is set, packs it into $OUT/results.tgz after every
+# step). Peers: pip install -e ".[peers]"; axolotl 0.21 (with bitsandbytes) for the axolotl rows,
+# unsloth for the unsloth stage, nbmake and ipykernel for notebooks.
 #
-#   bash scripts/gpu_session.sh tests      # every test file compiled on the GPU, 8 files at a time
-#                                          # (a call of its own, last: the first call of 2026-12-01 ran the
-#                                          # tests first and lost the machine, with nothing returned)
-#   bash scripts/gpu_session.sh STAGE STAGE...  # several stages in one call, in order
-#   bash scripts/gpu_session.sh ops        # tune the conv, then check and sweep it, SwiGLU, the delta-rule core and the row copy
-#   bash scripts/gpu_session.sh ops_new    # in_proj and the loss at every T, one run (notebooks 04/05 read one run a file)
-#   bash scripts/gpu_session.sh step       # q35lab's 9B step at 32k with its breakdown and floor
-#   bash scripts/gpu_session.sh peers      # PEFT + Liger, axolotl's recipe, PEFT at 9B/32k
-#   bash scripts/gpu_session.sh ablation   # PEFT with one optimization at a time, 9B/32k (ablation.csv)
-#   bash scripts/gpu_session.sh sizes9b    # 9B at 8k and 64k: q35lab, PEFT + Liger, axolotl's recipe, PEFT (.whl-peers)
-#   bash scripts/gpu_session.sh floors     # 27B and 35B-A3B at 32k: q35lab with its breakdown and floor, then
-#                                          # FLOOR_PEERS (unset: PEFT + Liger; empty: none; axolotl's recipe needs .whl-peers)
-#   PEERS_AT="27b:peft+liger 35b-a3b:peft" bash scripts/gpu_session.sh peers_at  # those variants at 32k
-#   bash scripts/gpu_session.sh big35      # 35B-A3B: PEFT + Liger at 8k, 32k, 64k; q35lab at 8k and 64k
-#   bash scripts/gpu_session.sh big27      # 27B: q35lab and PEFT + Liger at 8k and 64k
-#   bash scripts/gpu_session.sh packed     # the SFT length mix packed at 32k: q35lab, PEFT + Liger, axolotl's
-#                                          # recipe, PEFT, q35lab without the varlen attention (PACKED picks)
-#   bash scripts/gpu_session.sh padded     # the same tokens padded per micro-batch beside packed, the four
-#                                          # (PADDED picks): packed_vs_padded.csv
-#   bash scripts/gpu_session.sh current_tf # q35lab, PEFT + Liger and PEFT at 9B/32k on the current transformers
-#                                          # (carry .whl, .whl-tf and .triton-autotune, not .whl-peers; .whl-tf from
-#                                          # scripts/slim_transformers.py): end_to_end_current_transformers.csv
-#   bash scripts/gpu_session.sh flex       # the packed row under flex attention, q35lab and PEFT + Liger
-#   bash scripts/gpu_session.sh fsdp       # q35lab and PEFT + Liger under FSDP2 on every GPU of the machine
-#                                          # (world size 1 on one H200: the sharded code path, measured)
-#   bash scripts/gpu_session.sh long_cost  # q35lab and each long-context option at 32k (their cost), alone and together
-#   LONG_T="T..." bash scripts/gpu_session.sh long  # q35lab+long (or LONG_VARIANT) at each T until one fits
-#   LONG_FIT="q35lab:262144 peft+liger:262144" bash scripts/gpu_session.sh long_fit  # each one's longest step, searched
-#   bash scripts/gpu_session.sh unsloth    # Unsloth's LoRA path, q35lab and PEFT + Liger at 9B/32k (unsloth.csv; .whl-unsloth)
-#   bash scripts/gpu_session.sh notebooks  # every notebook executed (outputs kept)
+#   bash dev/gpu_session.sh STAGE STAGE...  # several stages in one run, in order
+#   bash dev/gpu_session.sh tests      # every test file compiled on the GPU, 8 files at a time
+#                                      # (best last: a run that loses the machine returns nothing)
+#   bash dev/gpu_session.sh ops        # tune the conv, then check and sweep it, SwiGLU, the delta-rule core and the row copy
+#   bash dev/gpu_session.sh ops_new    # in_proj and the loss at every T, one run (notebooks 04/05 read one run a file)
+#   bash dev/gpu_session.sh step       # q35lab's 9B step at 32k with its breakdown and floor
+#   bash dev/gpu_session.sh peers      # PEFT + Liger, axolotl's recipe, PEFT at 9B/32k
+#   bash dev/gpu_session.sh ablation   # PEFT with one optimization at a time, 9B/32k (ablation.csv)
+#   bash dev/gpu_session.sh sizes9b    # 9B at 8k and 64k: q35lab, PEFT + Liger, axolotl's recipe, PEFT
+#   bash dev/gpu_session.sh floors     # 27B and 35B-A3B at 32k: q35lab with its breakdown and floor, then
+#                                      # FLOOR_PEERS (unset: PEFT + Liger; empty: none)
+#   PEERS_AT="27b:peft+liger 35b-a3b:peft" bash dev/gpu_session.sh peers_at  # those variants at 32k
+#   bash dev/gpu_session.sh big35      # 35B-A3B: PEFT + Liger at 8k, 32k, 64k; q35lab at 8k and 64k
+#   bash dev/gpu_session.sh big27      # 27B: q35lab and PEFT + Liger at 8k and 64k
+#   bash dev/gpu_session.sh packed     # the SFT length mix packed at 32k: q35lab, PEFT + Liger, axolotl's
+#                                      # recipe, PEFT, q35lab without the varlen attention (PACKED picks)
+#   bash dev/gpu_session.sh padded     # the same tokens padded per micro-batch beside packed, the four
+#                                      # (PADDED picks): packed_vs_padded.csv
+#   bash dev/gpu_session.sh current_tf # q35lab, PEFT + Liger and PEFT at 9B/32k on a newer transformers
+#                                      # (.whl-tf, dev/offline/slim_transformers.py): end_to_end_current_transformers.csv
+#   bash dev/gpu_session.sh flex       # the packed row under flex attention, q35lab and PEFT + Liger
+#   bash dev/gpu_session.sh fsdp       # q35lab and PEFT + Liger under FSDP2 on every GPU of the machine
+#                                      # (world size 1 on one GPU: the sharded code path, measured)
+#   bash dev/gpu_session.sh long_cost  # q35lab and each long-context option at 32k (their cost), alone and together
+#   bash dev/gpu_session.sh tiled_profile  # where the tiled GatedDeltaNet's cost at 32k goes (tiled_layer_profile.csv)
+#   LONG_T="T..." bash dev/gpu_session.sh long  # q35lab+long (or LONG_VARIANT) at each T until one fits
+#   LONG_FIT="q35lab:262144 peft+liger:262144" bash dev/gpu_session.sh long_fit  # each one's longest step, searched
+#   bash dev/gpu_session.sh unsloth    # Unsloth's LoRA path, q35lab and PEFT + Liger at 9B/32k (unsloth.csv)
+#   bash dev/gpu_session.sh notebooks  # every notebook executed (outputs kept)
 #
-# The first step that trains a model at a new shape spends 60-130 s in fla's autotuning (cached for
-# the later processes of the same machine: TRITON_CACHE_AUTOTUNING=1): give it that much more, or
-# carry .triton-autotune (the triton-autotune/ folder of an earlier call's results.tgz, a few
-# hundred KB), which seeds the machine's Triton cache with those results (scripts/gpu_run.sh).
+# The first step that trains a model at a new shape spends a minute or two in fla's autotuning
+# (cached for the later processes of the same machine: TRITON_CACHE_AUTOTUNING=1); the committed
+# data/triton-autotune/ (or a .triton-autotune/ folder of an earlier run's results) seeds the
+# machine's Triton cache with those results (dev/gpu_run.sh). TIMEOUT_e2e=SECONDS replaces every
+# e2e step's own limit (sized for an H100 or H200) on a slower GPU.
 #
-# Name the commit: Q35LAB_COMMIT=$(git rev-parse --short HEAD) in the command (the hash typed in).
-# The device's copy of the tree is current but its git metadata can be stale: on 2026-12-01 its
-# git said 5830af9+dirty for a tree that was 358bb36.
+# The rows name the checkout's commit; Q35LAB_COMMIT=<hash> names it where the tree's git metadata is
+# not its own (a copied working tree).
 set -uo pipefail
 [[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|ops_new|step|peers|peers_at|ablation|sizes9b|floors|big35|big27|packed|padded|current_tf|flex|long_cost|tiled_profile|long_fit|long|fsdp|unsloth|notebooks ..."; exit 2; }
-[[ -n ${Q35LAB_COMMIT:-} ]] || echo "warning: Q35LAB_COMMIT is not set: the rows take the device's git metadata, which can be stale"
 bench=data/bench/$(python3 -c "from q35lab.bench import core; print(core.gpu_slug())")  # as gpu_run.sh names it
 csv=$bench/end_to_end.csv
 e2e() {  # e2e SECONDS VARIANTS T ARGS...
   local limit=$1 variants=$2 T=$3; shift 3
-  STEPS=e2e E2E_VARIANTS="$variants" E2E_T="$T" E2E_ARGS="$*" TIMEOUT_e2e=$limit bash scripts/gpu_run.sh
+  STEPS=e2e E2E_VARIANTS="$variants" E2E_T="$T" E2E_ARGS="$*" TIMEOUT_e2e=${TIMEOUT_e2e:-$limit} bash dev/gpu_run.sh
 }
 beside_own_call() {  # beside_own_call FILE SECONDS VARIANTS T ARGS...: e2e's rows of this run joined to FILE
-  # beside every earlier call's (scripts/join_calls.py): merged straight in, a q35lab row replaced the
-  # baseline of an earlier call's options (2026-12-03)
+  # beside every earlier run's (dev/join_calls.py): merged straight in, a q35lab row would replace the
+  # baseline of an earlier run's options
   local kept=$bench/$1 call=${1%.csv}_call.csv; shift
   rm -f $bench/$call
   E2E_OUT=$call e2e "$@"
-  python3 scripts/join_calls.py $bench/$call "$kept"
-  STEPS=pack bash scripts/gpu_run.sh >/dev/null  # the step packed before the join: 963ed32's last row came back unjoined
+  python3 dev/join_calls.py $bench/$call "$kept"
+  STEPS=pack bash dev/gpu_run.sh >/dev/null  # the step packed before the join: pack the joined rows
 }
 for stage in "$@"; do
 case $stage in
-  tests) STEPS=tests TIMEOUT_tests=${TIMEOUT_tests:-330} bash scripts/gpu_run.sh ;;
-  ops)  # the conv tuned first (scripts/tune_causal_conv1d.py, ~4 min: its tuned.json entry returns in results.tgz)
+  tests) STEPS=tests TIMEOUT_tests=${TIMEOUT_tests:-330} bash dev/gpu_run.sh ;;
+  ops)  # the conv tuned first (python -m q35lab tune causal_conv1d, ~4 min: it writes q35lab/ops/tuned.json)
     STEPS=tune,check,bench OPS="causal_conv1d swiglu delta_rule contiguous_rows" BENCH_T="32768 131072" \
-        TIMEOUT_tune=300 STEP_TIMEOUT=270 bash scripts/gpu_run.sh ;;
+        TIMEOUT_tune=300 STEP_TIMEOUT=270 bash dev/gpu_run.sh ;;
   ops_new)  # the rows notebooks 04 and 05 wait for: in_proj's "q35lab (z own buffer)", the loss's "pytorch, chunked"
-    # every T: a run of some T only (3163503's) mixes two runs in files the notebooks read as one
-    # the bench step: in_proj ~65 s, the loss ~330 s (2026-12-05: cut at 270 s in the loss's 64k rows); carry .whl-peers
-    # for in_proj's axolotl row
-    STEPS=check,bench OPS="in_proj linear_cross_entropy" STEP_TIMEOUT=430 bash scripts/gpu_run.sh ;;
+    # every T: a run of some T only mixes two runs in files the notebooks read as one
+    # the bench step: in_proj ~65 s, the loss ~330 s; in_proj's axolotl row needs axolotl and bitsandbytes
+    STEPS=check,bench OPS="in_proj linear_cross_entropy" STEP_TIMEOUT=430 bash dev/gpu_run.sh ;;
   step) e2e 330 q35lab 32768 --size 9b --steps 3 --breakdown --memory-at-peak ;;  # fla's autotuning, 3 steps,
         # the allocator-recorded one, the profiled one: ~250 s on a fresh machine without .triton-autotune
-  peers)  # on a fresh machine without .triton-autotune: axolotl's first step 188 s, PEFT + Liger's > 130 s (38249b1)
-    # 3 measured steps each: the median of 2 is their mean, and one slow step moved 3163503's q35lab row by 5%
+  peers)  # on a fresh machine without .triton-autotune: axolotl's first step ~3 min, PEFT + Liger's > 2 min
+    # 3 measured steps each: the median of 2 is their mean, which one slow step moves by a few percent
     e2e 200 peft+liger 32768 --size 9b --steps 3
     e2e 260 peft+liger+axolotl 32768 --size 9b --steps 3 --memory-at-peak  # what it keeps less of than q35lab
     e2e 140 peft 32768 --size 9b --steps 3
@@ -104,11 +100,11 @@ case $stage in
     [[ -n ${PEERS_AT:-} ]] || { echo "peers_at: set PEERS_AT (SIZE:VARIANT pairs)"; exit 2; }
     for pair in $PEERS_AT; do e2e 300 "${pair#*:}" 32768 --size "${pair%%:*}" --steps 3; done
     ;;
-  big35)  # 32k measured at 358bb36: q35lab; PEFT + Liger was still compiling Liger's MoE kernels at 130 s (c2f958e)
+  big35)  # q35lab's 32k row comes from floors; Liger's MoE kernels compile for over 2 minutes
     e2e 330 peft+liger "32768 8192 65536" --size 35b-a3b --steps 2  # the missing 32k first
     e2e 240 q35lab "8192 65536" --size 35b-a3b --steps 2
     ;;
-  big27)  # 32k measured at 358bb36 (both); fla's tuning for these shapes is in .triton-autotune since then
+  big27)  # the 32k rows come from floors and peers_at
     for v in ${BIG27:-q35lab peft+liger}; do e2e 240 $v "8192 65536" --size 27b --steps 2; done
     ;;
   packed)  # the SFT length mix packed into one 32k row, every variant in one call (PACKED="..." picks some);
@@ -130,7 +126,7 @@ case $stage in
                # masks expert-parallel sentinel rows on one GPU (15% of the MoE step); the current release does
                # neither. New fla tuning keys (16 heads), so the first run gets room to tune. CURRENT_TF_SIZES picks
                # the sizes (default 9b; "9b 35b-a3b" adds the MoE, whose Liger row compiles for ~3 min)
-    [[ -d .whl-tf ]] || { echo "current_tf: carry .whl-tf (scripts/slim_transformers.py)"; exit 2; }
+    [[ -d .whl-tf ]] || { echo "current_tf: needs .whl-tf (dev/offline/slim_transformers.py)"; exit 2; }
     for size in ${CURRENT_TF_SIZES:-9b}; do
       E2E_OUT=end_to_end_current_transformers.csv e2e 300 q35lab 32768 --size $size --steps 2
       for v in peft+liger peft; do
@@ -152,17 +148,17 @@ case $stage in
       beside_own_call long_context.csv 180 $v 32768 --size 9b --steps 3
     done
     ;;
-  tiled_profile)  # where the whole-layer tiled GatedDeltaNet's cost at 32k goes (+3.8% on the H100 at ffbcd4d, +1.6% at a2eda82): the
-    # 9B's dimensions with 4 layers (3 GatedDeltaNet layers), untiled and in tiles of 8192 and 16384, each step
-    # timed, then profiled by kernel group (scripts/profile_tiled_layer.py: tiled_layer_profile.csv), ~3 min
-    STEPS=profile TIMEOUT_profile=${TIMEOUT_profile:-300} bash scripts/gpu_run.sh
+  tiled_profile)  # where the whole-layer tiled GatedDeltaNet's cost at 32k goes: the 9B's dimensions with 4 layers
+    # (3 GatedDeltaNet layers), untiled and in tiles of 8192 and 16384, each step timed, then profiled by kernel
+    # group (benchmarks/profile_tiled_layer.py: tiled_layer_profile.csv), ~3 min
+    STEPS=profile TIMEOUT_profile=${TIMEOUT_profile:-300} bash dev/gpu_run.sh
     ;;
   long_fit)  # the longest 9B step of each variant, searched (e2e's --fit): 32k and 64k, then the line through their
     # peaks guesses the limit, the search steps 3% up from a fit and down from an out of memory in doubling strides (long_fit.csv).
     # LONG_FIT="VARIANT:MAX[:SECONDS[:FROM]] ...": MAX is what an offloading variant plans its host memory for (the
     # longest tried); SECONDS the run's limit (default 240); FROM the first guess after 32k and 64k (default: the line's).
-    # A step near 450k tokens is ~4 min on an H100, and each new length adds fla's autotuning (~25 s at 143k): carry
-    # the last call's triton-autotune/ as .triton-autotune. The rows name the caching allocator's settings
+    # A step near 450k tokens is ~4 min on an H100, and each new length adds fla's autotuning (~25 s at 143k): keep
+    # the last run's triton-autotune/ as .triton-autotune. The rows name the caching allocator's settings
     # (PYTORCH_CUDA_ALLOC_CONF, inherited: expandable_segments:True lets a step use memory that fragmentation strands)
     [[ -n ${LONG_FIT:-} ]] || { echo "long_fit: set LONG_FIT (VARIANT:MAX[:SECONDS[:FROM]] ...)"; exit 2; }
     for spec in $LONG_FIT; do
@@ -186,30 +182,30 @@ EOF
     done
     ;;
   fsdp)
-    STEPS=install bash scripts/gpu_run.sh >/dev/null  # unpacks the wheels and the slim Triton (no step is named so)
+    STEPS=install bash dev/gpu_run.sh >/dev/null  # installs the offline wheels, if any (no step is named so)
     gpus=$(nvidia-smi -L | wc -l)
     for v in q35lab peft+liger; do
       PYTHONPATH=$( [[ -d /tmp/tri/triton ]] && echo /tmp/tri: )/tmp/site_fla:/tmp/site:$PWD timeout 300 \
-        python3 -m torch.distributed.run --standalone --nproc_per_node="$gpus" scripts/fsdp2_step.py \
+        python3 -m torch.distributed.run --standalone --nproc_per_node="$gpus" benchmarks/fsdp2_step.py \
         --size 9b --T 32768 --steps 2 --variant $v --out $bench/fsdp2_step.jsonl 2>&1 | tail -n 5
     done
     ;;
-  unsloth)  # Unsloth's Qwen3.5 LoRA path (carry .whl-unsloth, not .whl-peers) beside q35lab and PEFT + Liger, in a
-            # file of their own (rows of these two in end_to_end.csv would replace the headline run's). Unsloth writes
-            # the 9B as an 18 GB checkpoint (24 s), loads it, and inductor compiles each decoder layer's region in the
-            # first step: more than 250 s on a fresh machine (f3ddb4a, cut at 300 s), so it has up to 560 s; the two
-            # others run after it in the same call only where ~150 s each are left of the call's 600 (else name them
-            # in UNSLOTH_VARIANTS of the next call on the warm machine, whose inductor cache keeps Unsloth's compile)
+  unsloth)  # Unsloth's Qwen3.5 LoRA path (benchmarks/peers/unsloth.py) beside q35lab and PEFT + Liger, in a file
+            # of their own (rows of these two in end_to_end.csv would replace the headline run's). Unsloth writes the
+            # 9B as an 18 GB checkpoint, loads it, and inductor compiles each decoder layer's region in the first
+            # step: over 4 minutes on a fresh machine, so it has up to 560 s. CALL_SECONDS: a run limited to that
+            # many seconds runs the others after it only where ~150 s each are left (else name them in
+            # UNSLOTH_VARIANTS of the next run on the same machine, whose inductor cache keeps Unsloth's compile)
     for v in ${UNSLOTH_VARIANTS:-unsloth q35lab peft+liger}; do
       if [[ $v == unsloth ]]; then limit=560 least=300; else limit=150 least=150; fi
-      left=$(( ${CALL_SECONDS:-590} - SECONDS - 30 ))  # 30 s for the step's merge and pack
+      left=$(( ${CALL_SECONDS:-100000} - SECONDS - 30 ))  # 30 s for the step's merge and pack
       if (( left < least )); then
-        echo "unsloth stage: $v left for the next call (${SECONDS} s of the call spent)"; continue
+        echo "unsloth stage: $v left for the next run (${SECONDS} s of the run spent)"; continue
       fi
       E2E_OUT=unsloth.csv e2e $(( limit < left ? limit : left )) $v 32768 --size 9b --steps 3
     done
     ;;
-  notebooks) STEPS=notebooks TIMEOUT_notebooks=280 bash scripts/gpu_run.sh ;;
+  notebooks) STEPS=notebooks TIMEOUT_notebooks=280 bash dev/gpu_run.sh ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done

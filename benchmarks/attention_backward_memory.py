@@ -1,6 +1,6 @@
 """What a Qwen3.5 attention layer's SDPA backward allocates per token (run on a GPU).
 
-The H100 search of the longest 9B step (ffbcd4d) ran out of memory at 389,120 and 397,312 tokens on
+The H100 search of the longest 9B step ran out of memory at 389,120 and 397,312 tokens on
 one allocation of ~32.8 KB a token made inside a C++ backward. The memory model counts SDPA's flash
 backward as a fp32 dq accumulator (``4 · heads · head_dim`` bytes a token, 16 KiB at 9B) beside
 dq, dk, dv. This measures the backward as the model calls it: transformers'
@@ -9,7 +9,7 @@ heads of 256, bf16, at each ``--T``. For each: the backend SDPA picks, the backw
 what the forward left, and the largest single allocation the caching allocator saw during the
 backward, each per token.
 
-    python scripts/attention_backward_memory.py --out data/bench/<gpu>/attention_backward_memory.csv
+    python benchmarks/attention_backward_memory.py --out data/bench/<gpu>/attention_backward_memory.csv
 """
 
 from __future__ import annotations

@@ -6,10 +6,9 @@ rounding, each candidate passed to the host functions as ``config=`` (the other 
 heuristic default); the configuration with the least summed time over the sizes is saved for
 this GPU.
 
-    python scripts/tune_gated_rms_norm.py --out data/bench/<gpu>/gated_rms_norm_tuning.csv
+    python -m q35lab tune gated_rms_norm [--out CSV] [--T T ...]
 """
 
-import argparse
 import ast
 import dataclasses
 import itertools
@@ -18,25 +17,28 @@ import pandas as pd
 import torch
 from triton.testing import do_bench
 
-from q35lab.bench import core
-from q35lab.ops import _tuned
-from q35lab.ops import gated_rms_norm as op
+from .. import core
+from . import parse
+from . import parser as tuning_parser
+from ...ops import _tuned
+from ...ops import gated_rms_norm as op
 
 WIDTH, HEADS = 128, 32
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--T", type=int, nargs="+", default=[8192, 32768])
-    args = parser.parse_args()
+def main(argv=None):
+    parser = tuning_parser("gated_rms_norm", __doc__)
+    parser.add_argument("--T", type=int, nargs="+", default=[8192, 32768],
+                        help="tokens (rows = 32·T); the least summed time wins (default: 8192 32768)")
+    args = parse(parser, argv, "gated_rms_norm")
     copy = core.measure_ceilings().copy_gbps
     base = op._default_config(WIDTH)
     candidates = {
         "fwd": [dict(fwd_block_rows=r, fwd_warps=w) for r, w in itertools.product([8, 16, 32, 64], [1, 2, 4, 8])],
         "bwd": [dict(bwd_block_rows=r, bwd_warps=w, bwd_tiles_per_program=t)
                 for r, w, t in itertools.product([8, 16, 32], [2, 4, 8], [1, 2, 4, 8])],
-        "bwd_frozen_w": [dict(frozen_block_rows=r, frozen_warps=w) for r, w in itertools.product([8, 16, 32, 64], [1, 2, 4, 8])],
+        "bwd_frozen_w": [dict(frozen_block_rows=r, frozen_warps=w)
+                         for r, w in itertools.product([8, 16, 32, 64], [1, 2, 4, 8])],
     }
     rows = []
     for T in args.T:

@@ -6,7 +6,7 @@ limit is reported as such with the tests it finished (pytest's -v lines), not as
 whole call. Writes one row per file to the CSV (file, passed, failed, errors, skipped, seconds,
 status, the slowest tests) and prints the table.
 
-    python3 scripts/gpu_tests.py --out data/bench/nvidia-h200/gpu_tests.csv [--jobs 8] [--limit 300]
+    python3 dev/gpu_tests.py --out data/bench/<gpu>/gpu_tests.csv [--jobs 8] [--limit 300]
 """
 
 import argparse
@@ -26,7 +26,7 @@ def run_file(path: Path, limit: float, logs: Path, per_test: float) -> dict:
     start = time.perf_counter()
     # -rs: why each skipped test skipped (a module the GPU machine lacks). --timeout (pytest-timeout):
     # one test that hangs fails alone, and the file still ends with its tracebacks; a file killed at
-    # its limit prints none (2026-12-06: 20 failures of test_long_context.py, not one traceback)
+    # its limit prints none
     cmd = [sys.executable, "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider", "-o", "addopts=", "--durations=3",
            "--tb=short", f"--timeout={per_test:.0f}", str(path)]
     try:

@@ -5,10 +5,9 @@ Forward, backward with dW and backward with a frozen weight are timed with
 each candidate is passed to the host functions as ``config=`` (the fields not tried keep this
 GPU's ``launch_config``). Liger's kernels are timed the same way as a yardstick. Run on a GPU:
 
-    python scripts/tune_offset_rms_norm.py --out data/bench/<gpu>/offset_rms_norm_tuning.csv
+    python -m q35lab tune offset_rms_norm [--out CSV] [--T T ...] [--hidden H]
 """
 
-import argparse
 import dataclasses
 import importlib.util
 import itertools
@@ -17,16 +16,18 @@ import pandas as pd
 import torch
 from triton.testing import do_bench
 
-from q35lab.bench import core
-from q35lab.ops import offset_rms_norm as op
+from .. import core
+from . import parse
+from . import parser as tuning_parser
+from ...ops import offset_rms_norm as op
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--T", type=int, nargs="+", default=[8192, 32768, 131072])
-    parser.add_argument("--hidden", type=int, default=4096)
-    args = parser.parse_args()
+def main(argv=None):
+    parser = tuning_parser("offset_rms_norm", __doc__)
+    parser.add_argument("--T", type=int, nargs="+", default=[8192, 32768, 131072],
+                        help="tokens (default: 8192 32768 131072)")
+    parser.add_argument("--hidden", type=int, default=4096, help="row width (default: %(default)s)")
+    args = parse(parser, argv, "offset_rms_norm")
     copy = core.measure_ceilings().copy_gbps
     default = op.launch_config(args.hidden)
     rows = []

@@ -1,7 +1,7 @@
 """Host time per call (CPU enqueue cost) of the pieces of an offset-RMSNorm training step.
 
 Tiny inputs (8 rows) so the GPU never waits on memory: the time per call is what Python, the
-dispatcher and the Triton launcher cost. Run on a GPU: python scripts/host_overhead.py [out.csv]
+dispatcher and the Triton launcher cost. Run on a GPU: python benchmarks/host_overhead.py [out.csv]
 """
 
 import sys

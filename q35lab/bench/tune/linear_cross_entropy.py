@@ -11,19 +11,20 @@ for this GPU: per head, the smallest chunk within 2% of the fastest; for the tra
 "recompute" if its best time is within 5% of "accumulate"'s (then memory decides), else
 "accumulate".
 
-    python scripts/tune_linear_cross_entropy.py --out data/bench/<gpu>/linear_cross_entropy_tuning.csv
+    python -m q35lab tune linear_cross_entropy [--out CSV] [--T T] [--chunks ROWS ...]
 """
 
-import argparse
 import dataclasses
 
 import pandas as pd
 import torch
 
-from q35lab import shapes
-from q35lab.bench import core
-from q35lab.ops import _tuned
-from q35lab.ops import linear_cross_entropy as op
+from ... import shapes
+from .. import core
+from . import parse
+from . import parser as tuning_parser
+from ...ops import _tuned
+from ...ops import linear_cross_entropy as op
 
 #: A chunk within this factor of the fastest counts as fast: among those the smallest is kept.
 WITHIN = 1.02
@@ -31,12 +32,12 @@ WITHIN = 1.02
 RECOMPUTE_WITHIN = 1.05
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--T", type=int, default=16 * 1024)
-    parser.add_argument("--chunks", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
-    args = parser.parse_args()
+def main(argv=None):
+    parser = tuning_parser("linear_cross_entropy", __doc__)
+    parser.add_argument("--T", type=int, default=16 * 1024, help="tokens (default: %(default)s)")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096],
+                        help="chunk sizes (rows of logits at once) to try (default: 256 ... 4096)")
+    args = parse(parser, argv, "linear_cross_entropy")
     hidden, vocab = shapes.HIDDEN, shapes.VOCAB
     matmul_tflops = core.measure_ceilings().matmul_tflops
     one_matmul_ms = 2 * args.T * hidden * vocab / (matmul_tflops * 1e12) * 1e3
@@ -79,8 +80,10 @@ def main():
     table.to_csv(args.out, index=False, float_format="%.5g")
     if best:
         _tuned.save("linear_cross_entropy", f"{vocab}x{hidden}", best, torch.cuda.get_device_name())
-    print(f"bf16 matmul {matmul_tflops:.0f} TFLOP/s; one logits matmul at T={args.T}: {one_matmul_ms:.1f} ms; saved {best}")
-    print(table[["head", "weight_grad", "chunk_rows", "status", "kernel_ms", "matmuls", "extra_peak_mb"]].to_string(index=False))
+    print(f"bf16 matmul {matmul_tflops:.0f} TFLOP/s; one logits matmul at T={args.T}: {one_matmul_ms:.1f} ms; "
+          f"saved {best}")
+    columns = ["head", "weight_grad", "chunk_rows", "status", "kernel_ms", "matmuls", "extra_peak_mb"]
+    print(table[columns].to_string(index=False))
 
 
 if __name__ == "__main__":

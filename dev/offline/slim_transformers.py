@@ -10,7 +10,7 @@ Qwen3.5. The folders kept are ``KEEP`` and those the installed Liger names (``li
 and q35lab with it. The rest of the package stays whole (3.1 MB for 5.24.0 with Liger 0.8.5).
 
     python3 -m pip download --no-deps transformers==5.24.0 -d /tmp/tf
-    python3 scripts/slim_transformers.py /tmp/tf/transformers-*.whl .whl-tf/ --check
+    python3 dev/offline/slim_transformers.py /tmp/tf/transformers-*.whl .whl-tf/ --check
     python3 -m pip download --no-deps "huggingface-hub>=1.31,<2" -d .whl-tf/
 
 transformers 5.24 checks at import for huggingface-hub >= 1.31, newer than the image's (made for

@@ -14,8 +14,8 @@ One JSON line on rank 0's stdout (and appended to --out): the step's time (the s
 median), the peak memory of each rank (GPU memory allocated; on a CPU the process's peak RSS), the
 losses, the patch report::
 
-    torchrun --standalone --nproc_per_node=2 scripts/fsdp2_step.py --size 9b --T 32768 --variant q35lab
-    torchrun --standalone --nproc_per_node=1 scripts/fsdp2_step.py --size tiny --T 64 --variant q35lab  # CPU
+    torchrun --standalone --nproc_per_node=2 benchmarks/fsdp2_step.py --size 9b --T 32768 --variant q35lab
+    torchrun --standalone --nproc_per_node=1 benchmarks/fsdp2_step.py --size tiny --T 64 --variant q35lab  # CPU
 """
 
 from __future__ import annotations

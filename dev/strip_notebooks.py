@@ -1,7 +1,7 @@
 """Strip run noise from executed notebooks before committing: per-cell execution metadata,
 widget state and stderr streams (warnings, progress bars). Outputs that carry results stay.
 
-    python scripts/strip_notebooks.py notebooks/*.ipynb
+    python dev/strip_notebooks.py notebooks/*.ipynb
 """
 
 import json

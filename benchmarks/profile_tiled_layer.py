@@ -10,7 +10,7 @@ the device waiting on the host); and where a step makes the host wait for the de
 row per group and variant; the groups whose time moved most against the untiled step are
 printed last.
 
-    python scripts/profile_tiled_layer.py --out data/bench/<gpu>/tiled_layer_profile.csv
+    python benchmarks/profile_tiled_layer.py --out data/bench/<gpu>/tiled_layer_profile.csv
 """
 
 from __future__ import annotations

@@ -14,10 +14,9 @@ as ``config=`` (the other fields from the heuristic default):
 Each pass's fastest configuration is saved for this GPU under the key ``"CxK"``.
 Candidates that spill registers are measured like the others (they lose).
 
-    python scripts/tune_causal_conv1d.py --out data/bench/<gpu>/causal_conv1d_tuning.csv
+    python -m q35lab tune causal_conv1d [--out CSV] [--T T] [--channels C ...]
 """
 
-import argparse
 import ast
 import dataclasses
 import itertools
@@ -26,9 +25,11 @@ import pandas as pd
 import torch
 from triton.testing import do_bench
 
-from q35lab.bench import core
-from q35lab.ops import _tuned
-from q35lab.ops import causal_conv1d as op
+from .. import core
+from . import parse
+from . import parser as tuning_parser
+from ...ops import _tuned
+from ...ops import causal_conv1d as op
 
 KERNEL_SIZE = 4
 
@@ -38,7 +39,8 @@ CANDIDATES = {
             for t, c, w in itertools.product([16, 32, 64], [64, 128, 256], [2, 4, 8])],
     "bwd_dx": [dict(bwd_block_t=t, bwd_block_c=c, bwd_warps=w) for t, c, w in TILES],
     # each tile (one compile) split over a few programs per SM: a runtime argument
-    "bwd_dw": [dict(dw_block_t=t, dw_block_c=c, dw_warps=w, dw_programs_per_sm=p) for t, c, w in TILES for p in (4, 8, 16)],
+    "bwd_dw": [dict(dw_block_t=t, dw_block_c=c, dw_warps=w, dw_programs_per_sm=p)
+               for t, c, w in TILES for p in (4, 8, 16)],
 }
 #: Elements of [T, C] each pass must read and write at the least.
 TRAFFIC = {"fwd": 2, "bwd_dx": 3, "bwd_dw": 3}
@@ -81,12 +83,12 @@ def best_fields(at_width: pd.DataFrame) -> dict:
     return best
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--T", type=int, default=32768)
-    parser.add_argument("--channels", type=int, nargs="+", default=[8192, 10240])
-    args = parser.parse_args()
+def main(argv=None):
+    parser = tuning_parser("causal_conv1d", __doc__)
+    parser.add_argument("--T", type=int, default=32768, help="tokens (default: %(default)s)")
+    parser.add_argument("--channels", type=int, nargs="+", default=[8192, 10240],
+                        help="conv widths, each tuned and saved on its own (default: the 9B's and the 27B's)")
+    args = parse(parser, argv, "causal_conv1d")
     copy = core.measure_ceilings().copy_gbps
     print(f"copy {copy:.0f} GB/s")
     frames = []

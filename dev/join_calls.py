@@ -1,6 +1,6 @@
 """Join one device call's rows (CALL_CSV) to a file that keeps every call's rows (KEPT_CSV).
 
-``python scripts/join_calls.py CALL_CSV KEPT_CSV``. A row of the call replaces the kept row of the
+``python dev/join_calls.py CALL_CSV KEPT_CSV``. A row of the call replaces the kept row of the
 same variant, batch and commit (the same call measured again, e.g. a stage re-run after a cut),
 and leaves the other commits' rows alone: in ``long_context.csv`` each option is compared with
 the q35lab row of its own call, and in ``packed_vs_padded.csv`` each variant's padded row with

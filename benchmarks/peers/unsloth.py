@@ -1,4 +1,6 @@
-"""Unsloth's Qwen3.5 LoRA path, as its users run it, on the same random weights as the other variants.
+"""Unsloth's Qwen3.5 LoRA path, as its users run it, on the same random weights as the other variants:
+the ``unsloth`` variant of ``python -m q35lab.e2e`` (a peer's recipe, loaded from a checkout by
+``q35lab.bench.e2e.peers``; not part of the wheel).
 
 Unsloth does not patch a model it did not load: ``get_peft_model`` reads what its
 ``from_pretrained`` set (``max_seq_length``), and its compiler rewrites the modeling file while it
@@ -48,7 +50,7 @@ def build(size: str, layers: int | None, rank: int, max_tokens: int, seed: int =
     os.environ.update(OFFLINE)
     from unsloth import FastLanguageModel  # before the model is built: Unsloth patches at import and load
 
-    from .model import base_model, init_lora_b
+    from q35lab.bench.e2e.model import base_model, init_lora_b
 
     with tempfile.TemporaryDirectory(prefix=f"q35lab-unsloth-{size}-") as folder:  # 18 GB at 9B, read once
         write_checkpoint(base_model(size, layers, device="cuda", seed=seed), folder)

@@ -1,31 +1,32 @@
 #!/usr/bin/env bash
-# One device call: tests compiled on the GPU, kernel tuning, the sweep against peers, numerics,
-# figures and the executed notebooks. After every step the results are packed into
-# $OUT/results.tgz, so a call cut short still returns what it finished.
+# One run on a CUDA machine: tests compiled on the GPU, kernel tuning, the sweep against peers,
+# numerics, figures, whole training steps and the executed notebooks, each step under a time limit,
+# its results written under data/ and its log under /tmp/q35lab-logs/. Where $OUT is set (a machine
+# that hands back one folder), every step also packs data/, the notebooks, tuned.json, the logs and
+# fla's autotuning results into $OUT/results.tgz, so that a run cut short still returns them.
 #
-#   usage (on the GPU machine, from the checkout):
+#   usage (on the GPU machine, from the checkout; dev/README.md says which step wrote which file):
 #     OPS="gated_rms_norm" STEPS=tune,check,bench,notebooks NOTEBOOKS=02_gated_rmsnorm.ipynb \
-#       TIMEOUT_bench=150 STEP_TIMEOUT=60 bash scripts/gpu_run.sh [--quick]
-#   TIMEOUT_notebooks is per notebook (each its own step and log). Logs go into results.tgz
-#   (q35lab-logs/), the only file under $OUT.
+#       TIMEOUT_bench=150 STEP_TIMEOUT=60 bash dev/gpu_run.sh [--quick]
+#   TIMEOUT_<step> limits one step (TIMEOUT_notebooks: each notebook), STEP_TIMEOUT the others.
 #   TESTS picks the test files (default: all of tests/); BENCH_T="16384 32768" measures only those
 #   sizes and keeps the CSV's other rows. Steps layer and e2e take LAYER_VARIANTS,
 #   LAYER_T, E2E_VARIANTS, E2E_T (space-separated), E2E_FIT=1 (search the longest T that fits) and
 #   E2E_ARGS (more options for `python -m q35lab.e2e`, e.g. "--steps 2 --fit-from 196608 --fit-step 1.1").
 #
-# The delta-rule core is flash-linear-attention's, on the slim Triton 3.7.1 (../shared/GPU.md):
-# fla 0.6 refuses the GatedDeltaNet backward on Hopper with Triton 3.4-3.7.0 (fla#640), so the
-# slim Triton, unpacked into /tmp/tri, comes first on the path and shadows the image's 3.6.
-# NO_FLA=1 runs without fla (the PyTorch delta rule: what users without fla get).
+# The delta-rule core is flash-linear-attention's, which refuses the GatedDeltaNet backward on Hopper
+# with Triton 3.4-3.7.0 (fla#640): install Triton >= 3.7.1 beside it. Offline, the wheel folders
+# of dev/offline/ are installed into /tmp/site first, a slim Triton 3.7.1 shadowing the machine's.
+# NO_FLA=1 leaves that fla off the path (the PyTorch delta rule: what users without fla get).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+[[ -z ${OUT:-} ]] || mkdir -p "$OUT"
 ROOT=$PWD
 STEPS=${STEPS:-tests,tune,bench,notebooks}
 OPS=${OPS:-offset_rms_norm}
 NOTEBOOKS=${NOTEBOOKS:-*.ipynb}
-# Each wheel folder once per machine (a later call on a warm machine reuses them), marked as done
-# folder by folder: a call that carries .whl-peers after one that did not still installs it
+# An offline machine's wheel folders (dev/offline/device_wheels.sh), each installed once per machine
+# and marked folder by folder: a later call that brings .whl-peers still installs it
 for folder in .whl .whl-peers .whl-notebooks .whl-unsloth .whl-tf; do  # .whl-tf last: its transformers replaces the image's
   [[ -d $folder ]] || continue
   marker=/tmp/site/.installed$folder-$(ls $folder | md5sum | cut -c1-12)  # other wheels in it: installed again
@@ -48,25 +49,25 @@ TRI=
 [[ -d /tmp/tri/triton ]] && TRI=/tmp/tri:
 export PYTHONPATH=${TRI}$( [[ -n ${NO_FLA:-} ]] || echo /tmp/site_fla:)/tmp/site:$PWD
 export TRITON_CACHE_AUTOTUNING=1  # fla autotunes each shape once; later processes reuse the result
-# fla's autotuning took 133 s of a fresh machine's first 9B step (2026-12-01): its results (small
-# *.autotune.json files, keyed by Triton, the GPU target, the kernel's source and the shape's key)
-# come back in results.tgz (triton-autotune/); committed as data/triton-autotune/ (or carried as the
-# git-ignored .triton-autotune/), they seed the next machine's Triton cache, and only the chosen
-# configurations compile there. A result whose key no longer matches (another Triton, fla or shape) is
-# never read: stale files cost nothing but their bytes
+# fla autotunes each shape for minutes on a fresh machine: its results (small *.autotune.json files,
+# keyed by Triton, the GPU target, the kernel's source and the shape's key) come back in results.tgz
+# (triton-autotune/); committed as data/triton-autotune/ (or kept as the git-ignored
+# .triton-autotune/), they seed the next machine's Triton cache, and only the chosen configurations
+# compile there. A result whose key no longer matches (another Triton, fla or shape) is never read
 CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 TUNED=/tmp/triton-autotune
 for seed in data/triton-autotune .triton-autotune; do
   if [[ -d $seed ]]; then mkdir -p "$CACHE" && cp -rn $seed/. "$CACHE"/; fi
 done
-LOGS=/tmp/q35lab-logs; mkdir -p "$LOGS"  # packed into results.tgz: the device returns 8 files at most
-pack() {  # everything a call returns, into $OUT/results.tgz
+LOGS=/tmp/q35lab-logs; mkdir -p "$LOGS"
+pack() {  # everything a call returns, into $OUT/results.tgz (nothing where $OUT is not set)
+  [[ -n ${OUT:-} ]] || return 0
   mkdir -p "$TUNED" && [[ -d $CACHE ]] && (cd "$CACHE" && find . -name '*.autotune.json' -exec cp --parents {} "$TUNED" \;)
   # written aside and renamed: a call cut at its limit mid-pack still returns the last whole one
   (cd "$ROOT" && tar czf "$OUT/partial.tgz" data notebooks/*.ipynb $(ls q35lab/ops/tuned.json 2>/dev/null) \
       -C "$LOGS/.." "$(basename "$LOGS")" -C "$TUNED/.." "$(basename "$TUNED")" && mv "$OUT/partial.tgz" "$OUT/results.tgz")
 }
-# STEPS=pack: only that, after a caller changed data/ (gpu_session.sh joins a call's rows after the step packed)
+# STEPS=pack: only that, after a caller changed data/ (gpu_session.sh joins a call's rows after its step packed)
 [[ $STEPS == pack ]] && { pack; exit 0; }
 WITH_FLA=$PYTHONPATH
 python3 -c "import triton, torch; print('triton', triton.__version__, 'torch', torch.__version__)"
@@ -78,27 +79,26 @@ step() {  # step NAME COMMAND...: run with a time limit (TIMEOUT_<name> or STEP_
   local name=$1; shift
   local limit="TIMEOUT_${name%%_*}"
   timeout "${!limit:-${STEP_TIMEOUT:-590}}" "$@" 2>&1 | tee "$LOGS/$name.log" | grep -v '%|' | tail -n 45
-  # an e2e parent killed at the limit leaves its finished children's rows unmerged (2026-12-03: a
-  # whole q35lab+long row): merge them before packing
+  # an e2e parent killed at the limit leaves its finished children's rows unmerged: merge them first
   [[ $name != e2e_* ]] || python3 -m q35lab.e2e --merge-leftovers --out "$e2e_csv" >/dev/null 2>&1 || true
   pack
 }
 
-[[ $STEPS == *tests* ]] && step tests python3 scripts/gpu_tests.py --out data/bench/$gpu/gpu_tests.csv \
+[[ $STEPS == *tests* ]] && step tests python3 dev/gpu_tests.py --out data/bench/$gpu/gpu_tests.csv \
     --limit ${TIMEOUT_testfile:-300} ${TESTS:-}
 for op in $OPS; do
-  if [[ $STEPS == *tune* && -f scripts/tune_$op.py ]]; then
-    step tune_$op python3 scripts/tune_$op.py --out data/bench/$gpu/${op}_tuning.csv
+  if [[ $STEPS == *tune* && -f q35lab/bench/tune/$op.py ]]; then
+    step tune_$op python3 -m q35lab tune $op --out data/bench/$gpu/${op}_tuning.csv
   fi
 done
 # where the whole-layer tiled GatedDeltaNet's cost goes: untiled and tiled steps of a 4-layer 9B, profiled
-[[ $STEPS == *profile* ]] && step profile python3 scripts/profile_tiled_layer.py ${PROFILE_ARGS:-} \
+[[ $STEPS == *profile* ]] && step profile python3 benchmarks/profile_tiled_layer.py ${PROFILE_ARGS:-} \
     --out data/bench/$gpu/tiled_layer_profile.csv
 # what a Qwen3.5 attention layer's SDPA backward allocates per token (the H100 search's last out of memory)
-[[ $STEPS == *attnmem* ]] && step attnmem python3 scripts/attention_backward_memory.py \
+[[ $STEPS == *attnmem* ]] && step attnmem python3 benchmarks/attention_backward_memory.py \
     --out data/bench/$gpu/attention_backward_memory.csv
 if [[ $STEPS == *overhead* ]]; then
-  step overhead python3 scripts/host_overhead.py data/bench/$gpu/offset_rms_norm_host_overhead.csv
+  step overhead python3 benchmarks/host_overhead.py data/bench/$gpu/offset_rms_norm_host_overhead.csv
 fi
 # whole-model measurements: every variant runs in a process of its own
 [[ $STEPS == *layer* ]] && step layer python3 -m q35lab.e2e --what layer --layers 1 \
@@ -112,11 +112,10 @@ e2e_csv=data/bench/$gpu/${E2E_OUT:-end_to_end.csv}
 [[ $STEPS == *bench* ]] && step bench env PYTHONPATH=$WITH_FLA python3 -m q35lab bench $OPS ${BENCH_T:+--T $BENCH_T} "$@"
 [[ $STEPS == *bench* ]] && step plots python3 -m q35lab plots
 if [[ $STEPS == *notebooks* ]]; then  # one step per notebook: a slow one cannot starve the next
-  # in the order NOTEBOOKS names them (`ls` of the whole list sorted it: on 2026-12-05 a call that named
-  # 04 05 06 07 02 03 01 ran 01 first and was cut in 06)
+  # in the order NOTEBOOKS names them (an `ls` of the whole list would sort them)
   for nb in $(cd notebooks && for pattern in $NOTEBOOKS; do ls -d $pattern; done); do
     (cd notebooks && step "notebooks_${nb%.ipynb}" python3 -m pytest -q -p no:cacheprovider \
         -o addopts="" --nbmake --nbmake-timeout=600 --overwrite "$nb")
   done
 fi
-ls -la "$OUT"
+[[ -z ${OUT:-} ]] || ls -la "$OUT"

@@ -8,7 +8,7 @@ torch's CUDA) leaves about 5 MB.
 
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_24_x86_64 bitsandbytes -d /tmp/bnb
-    python3 scripts/slim_bitsandbytes.py /tmp/bnb/bitsandbytes-*.whl .whl/
+    python3 dev/offline/slim_bitsandbytes.py /tmp/bnb/bitsandbytes-*.whl .whl-peers/
 """
 
 import re
