@@ -443,14 +443,14 @@ def _fsdp2_section(data: Path) -> list[str]:
               _seconds(r["step_ms"]) if r["status"] == "ok" else "", _gib(r["peak_gib"]) if r["status"] == "ok" else "",
               f"{r.get('commit', '')}, {r.get('date', '')}"] for r in runs]
     return ["## Several GPUs (FSDP2)", "",
-            f"`scripts/fsdp2_step.py`: the 9B patched first, then each decoder layer and the root sharded with "
+            f"`benchmarks/fsdp2_step.py`: the 9B patched first, then each decoder layer and the root sharded with "
             f"`fully_shard`; [`fsdp2_step.jsonl`](data/bench/{H200}/fsdp2_step.jsonl).", "",
             *_table(["variant", "GPUs", "T", "status", "step", "peak memory (a GPU)", "call"], table, "lrrlrrl"), ""]
 
 
 def _gpu_tests_section(data: Path) -> list[str]:
     lines = ["## The tests on GPUs", "",
-             "`scripts/gpu_tests.py`: test files run with compiled Triton on a lent GPU; the newest run of each file.",
+             "`dev/gpu_tests.py`: test files run with compiled Triton on a lent GPU; the newest run of each file.",
              ""]
     for gpu in (H200, H100):
         frame = _read(data, gpu, "gpu_tests.csv")
@@ -471,7 +471,7 @@ def render(data: Path) -> str:
              "the date. How a step is measured: `python -m q35lab.e2e` (wall time between CUDA events, the median "
              "step after a warm-up, bf16 autocast, gradient checkpointing, the fused AdamW that `Trainer` runs by "
              "default); how a kernel is measured: notebook 00. The "
-             "peers' versions are those `scripts/device_wheels.sh` installs.", "",
+             "peers' versions are those `dev/offline/device_wheels.sh` installs.", "",
              *_headline_section(data), *_unsloth_section(data), *_sizes_section(data), *_breakdown_section(data),
              *_long_section(data), *_packed_section(data), *_kernels_section(data), *_fsdp2_section(data),
              *_gpu_tests_section(data)]
