@@ -1070,6 +1070,39 @@ def _packed_boundaries() -> _PackedBoundaries:
 ATTENTION_CLASSES = ("Qwen3_5Attention", "Qwen3_5MoeAttention")
 
 
+class _AttentionConfig:
+    """The config a full-attention layer of a patched model reads: its model's config in every
+    attribute, read or written, except that SDPA reads as q35lab's implementation. The switch is
+    this model's, not the config object's, which other models may share (one built from the same
+    config keeps SDPA), and a later change of the model's implementation reaches the layer."""
+
+    def __init__(self, config):
+        object.__setattr__(self, "_q35lab_config", config)
+
+    def __getattr__(self, name):  # only what the view itself lacks: every config attribute
+        if name == "_q35lab_config":  # (not set yet: an instance that copy or pickle is building)
+            raise AttributeError(name)
+        value = getattr(self._q35lab_config, name)
+        return packed_attention.NAME if name == "_attn_implementation" and value == "sdpa" else value
+
+    def __setattr__(self, name, value):
+        setattr(self._q35lab_config, name, value)
+
+    def __delattr__(self, name):
+        delattr(self._q35lab_config, name)
+
+    def __reduce__(self):  # unpickled in a fresh process: the implementation is registered there too
+        return (_attention_config, (self._q35lab_config,))
+
+    def __repr__(self) -> str:
+        return f"<q35lab attention view of {type(self._q35lab_config).__name__}>"
+
+
+def _attention_config(config) -> _AttentionConfig:
+    packed_attention.register()
+    return _AttentionConfig(config)
+
+
 def _attention_layers(model: torch.nn.Module, implementation: str | None = None) -> list:
     """The model's full-attention modules (text decoder) that read their implementation from a
     config; with ``implementation``, those set to it."""
@@ -1078,16 +1111,11 @@ def _attention_layers(model: torch.nn.Module, implementation: str | None = None)
             and (implementation is None or getattr(m.config, "_attn_implementation", None) == implementation)]
 
 
-def _switch_attention(layers: list, implementation: str) -> None:
-    for config in {id(m.config): m.config for m in layers}.values():  # layers share their config
-        config._attn_implementation = implementation
-
-
 def _patch_attention(model: torch.nn.Module, report: "PatchReport") -> None:
     layers = _attention_layers(model)
-    on_sdpa = [m for m in layers if m.config._attn_implementation == "sdpa"]
-    switched = [m for m in layers if m.config._attn_implementation == packed_attention.NAME]
-    others = {str(m.config._attn_implementation) for m in layers} - {"sdpa", packed_attention.NAME}
+    switched = [m for m in layers if isinstance(m.config, _AttentionConfig)]
+    on_sdpa = [m for m in layers if m not in switched and m.config._attn_implementation == "sdpa"]
+    others = {str(m.config._attn_implementation) for m in layers if m not in switched} - {"sdpa"}
     if not on_sdpa:
         if others:
             report.not_applied["varlen_attention"] = (f"the attention runs {', '.join(sorted(others))}, not "
@@ -1097,14 +1125,18 @@ def _patch_attention(model: torch.nn.Module, report: "PatchReport") -> None:
     if packed_attention.varlen_attention_function() is None:
         report.not_applied["varlen_attention"] = packed_attention.describe()
         return
-    packed_attention.register()
-    _switch_attention(on_sdpa, packed_attention.NAME)
+    views = {}
+    for m in on_sdpa:  # one view per config object, shared by the layers of this model that share it
+        if id(m.config) not in views:
+            views[id(m.config)] = _attention_config(m.config)
+        m.config = views[id(m.config)]
     report.replaced[f"{type(on_sdpa[0]).__name__} (SDPA; packed rows: varlen flash attention)"] += len(on_sdpa)
 
 
 def _unpatch_attention(model: torch.nn.Module, report: "PatchReport") -> None:
-    switched = _attention_layers(model, packed_attention.NAME)
-    _switch_attention(switched, "sdpa")
+    switched = [m for m in _attention_layers(model) if isinstance(m.config, _AttentionConfig)]
+    for m in switched:
+        m.config = m.config._q35lab_config
     if switched:
         report.reverted[f"{type(switched[0]).__name__} (SDPA)"] += len(switched)
 
@@ -1204,7 +1236,8 @@ def apply_to_qwen3_5(
     attention implementation (``q35lab.packed_attention``): a packed row whose boundaries are known
     (``cu_seq_lens_q``, given by the collator or derived from restarting ``position_ids``) runs
     PyTorch's variable-length flash attention, each sequence alone, instead of SDPA over a dense
-    [T, T] block mask; every other call is SDPA as before. ``revert`` switches them back.
+    [T, T] block mask; every other call is SDPA as before. The switch is this model's: another model
+    built from the same config object keeps SDPA. ``revert`` switches them back.
 
     Long context (off by default): ``tiled_mlp=N`` computes every MLP in tiles of N tokens,
     recomputed per tile in backward (a tile's intermediates instead of the sequence's);
