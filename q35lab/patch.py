@@ -1021,7 +1021,8 @@ def _packing(gdn: torch.nn.Module) -> str:
     if conv_ok and core_ok:
         core = "fla's delta rule" if fla else "transformers' PyTorch delta rule, run by q35lab once per sequence"
         return (f"sequences kept apart when their boundaries come as cu_seq_lens_q (DataCollatorWithFlattening("
-                f"return_flash_attn_kwargs=True)) or as position_ids restarting in one row (q35lab derives "
+                f"return_flash_attn_kwargs=True)) or as the position_ids of one row without an attention mask, a "
+                f"sequence starting wherever they do not step by one (transformers' rule; q35lab derives "
                 f"cu_seq_lens_q from them): the conv honours them, and {core}")
     missing = [what for what, ok in (("the PyTorch causal conv1d", conv_ok), ("the PyTorch delta rule", core_ok))
                if not ok]
@@ -1030,16 +1031,15 @@ def _packing(gdn: torch.nn.Module) -> str:
 
 
 class _PackedBoundaries:
-    """Forward pre-hook of the module that runs the decoder layers: a row whose ``position_ids``
-    restart (transformers' packing convention, ``DataCollatorWithFlattening`` without
-    ``return_flash_attn_kwargs``) gets its boundaries as ``cu_seq_lens_q/k`` and
-    ``max_length_q/k`` too, which the decoder layers pass on to the GatedDeltaNet (``position_ids``
-    stop at the decoder layer). transformers' attention already keeps such sequences apart by
-    their ``position_ids``; without this the GatedDeltaNet's conv and recurrence ran across them.
-
-    ``cu_seq_lens = [0, s_1, ..., s_{n-1}, T]`` with ``s_j`` the tokens where ``position_ids`` is 0
-    (one device sync a forward). Only for one row (batch 1: packing's layout), without an
-    attention mask or a cache, and only when the caller gave no boundaries of its own."""
+    """Forward pre-hook of the module that runs the decoder layers: a row whose ``position_ids`` do
+    not step by one (``DataCollatorWithFlattening`` without ``return_flash_attn_kwargs``, positions
+    from 0 or from 1) gets its boundaries as ``cu_seq_lens_q/k`` and ``max_length_q/k`` too, which
+    the decoder layers pass on to the GatedDeltaNet (``position_ids`` stop at the decoder layer).
+    The boundaries are where transformers' masks split the row (``packed_attention.
+    boundaries_from_positions``: one rule for the attention and the GatedDeltaNet); without this the
+    GatedDeltaNet's conv and recurrence ran across them. Only for one row (batch 1: packing's
+    layout), without an attention mask or a cache, as transformers' masks, and only when the caller
+    gave no boundaries of its own."""
 
     def __reduce__(self):  # unpickled in a fresh process: the attention it feeds is registered there too
         return (_packed_boundaries, ())
@@ -1049,12 +1049,10 @@ class _PackedBoundaries:
         if (positions is None or "cu_seq_lens_q" in kwargs or positions.dim() != 2 or positions.shape[0] != 1
                 or kwargs.get("attention_mask") is not None or long_context._has_cache(kwargs)):
             return None
-        starts = torch.nonzero(positions[0] == 0).flatten().tolist()  # the one sync
-        edges = sorted({0, *starts, positions.shape[1]})
-        if len(edges) <= 2:
-            return None  # one sequence (or positions that never restart): nothing to keep apart
-        cu = torch.tensor(edges, dtype=torch.int32, device=positions.device)
-        longest = max(b - a for a, b in zip(edges, edges[1:]))
+        found = packed_attention.boundaries_from_positions(positions)  # the one sync
+        if found is None:
+            return None  # one sequence: nothing to keep apart
+        cu, longest = found
         return args, {**kwargs, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
@@ -1234,10 +1232,10 @@ def apply_to_qwen3_5(
 
     ``varlen_attention``: full-attention layers that run transformers' SDPA switch to q35lab's
     attention implementation (``q35lab.packed_attention``): a packed row whose boundaries are known
-    (``cu_seq_lens_q``, given by the collator or derived from restarting ``position_ids``) runs
-    PyTorch's variable-length flash attention, each sequence alone, instead of SDPA over a dense
-    [T, T] block mask; every other call is SDPA as before. The switch is this model's: another model
-    built from the same config object keeps SDPA. ``revert`` switches them back.
+    (``cu_seq_lens_q``, given by the collator or derived from ``position_ids`` that do not step by
+    one) runs PyTorch's variable-length flash attention, each sequence alone, instead of SDPA over a
+    dense [T, T] block mask; every other call is SDPA as before. The switch is this model's: another
+    model built from the same config object keeps SDPA. ``revert`` switches them back.
 
     Long context (off by default): ``tiled_mlp=N`` computes every MLP in tiles of N tokens,
     recomputed per tile in backward (a tile's intermediates instead of the sequence's);

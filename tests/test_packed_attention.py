@@ -83,14 +83,16 @@ def test_a_packed_row_runs_each_sequence_alone_without_a_dense_mask(stand_in, mo
     assert not sdpa_calls
 
 
-def test_boundaries_derived_from_position_ids_take_the_varlen_path_too(stand_in):
-    """DataCollatorWithFlattening's default row (position_ids only): q35lab derives cu_seq_lens."""
+@pytest.mark.parametrize("start", [0, 1])
+def test_boundaries_derived_from_position_ids_take_the_varlen_path_too(stand_in, start):
+    """DataCollatorWithFlattening's default row (position_ids only, from 0 or from 1): q35lab
+    derives cu_seq_lens where the positions do not step by one."""
     model = _peft_model(seed=2)
     q35lab.apply_to_qwen3_5(model)
     lengths = [4, 7, 2]
     sequences = [torch.randint(0, TEXT["vocab_size"], (n,), device=device()) for n in lengths]
     ids = torch.cat(sequences)[None]
-    positions = torch.cat([torch.arange(n, device=device()) for n in lengths])[None]
+    positions = torch.cat([torch.arange(n, device=device()) + start for n in lengths])[None]
     labels = ids.clone()
     labels[0, [0, 4, 11]] = -100
     with torch.no_grad():

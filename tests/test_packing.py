@@ -72,7 +72,8 @@ LENGTHS = [[5, 9, 3], [1, 6, 2, 7]]
 def test_a_packed_row_gives_the_loss_and_gradients_of_its_sequences_run_alone(lengths):
     model = _peft_model(seed=0)
     report = q35lab.apply_to_qwen3_5(model)
-    assert "sequence" in report.runs["packed batches"] and "position_ids restarting" in report.runs["packed batches"]
+    line = report.runs["packed batches"]
+    assert line.startswith("sequences kept apart") and "wherever they do not step by one" in line
     sequences = [torch.randint(0, TEXT["vocab_size"], (n,), device=device()) for n in lengths]
     _assert_same(_packed_step(model, sequences), _one_at_a_time(model, sequences))
 
@@ -101,7 +102,7 @@ def test_a_row_with_restarting_position_ids_only_is_kept_apart_too(lengths):
     unpatched = _peft_model(seed=3)
     patched = copy.deepcopy(unpatched)
     report = q35lab.apply_to_qwen3_5(patched)
-    assert "position_ids restarting in one row" in report.runs["packed batches"]
+    assert "or as the position_ids of one row" in report.runs["packed batches"]
     alone = _one_at_a_time(unpatched, sequences)
     _assert_same(positions_only_step(patched), alone)
     leaked, leaked_grads = positions_only_step(unpatched)
@@ -116,6 +117,40 @@ def test_without_the_conv_patch_the_report_says_packed_sequences_leak():
     model = _peft_model(seed=2)
     report = q35lab.apply_to_qwen3_5(model, conv=False)
     assert "ignore" in report.runs["packed batches"] and "conv=True" in report.runs["packed batches"]
+
+
+@pytest.mark.parametrize("case", ["from0", "from1", "ones", "one-sequence", "random"])
+def test_the_boundaries_of_a_row_are_those_transformers_masks_find(case):
+    """packed_attention.boundaries_from_positions against masking_utils.find_packed_sequence_indices
+    (what transformers' SDPA, eager and flex masks keep apart): rows of random lengths restarting at
+    0 or at 1, sequences of one token, one sequence, and random positions (a run that steps by one is
+    one sequence, wherever it starts)."""
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    from q35lab.packed_attention import boundaries_from_positions
+
+    lengths = torch.randint(1, 6, (int(torch.randint(2, 7, ())),)).tolist()
+    lengths = {"ones": [1] * len(lengths), "one-sequence": lengths[:1]}.get(case, lengths)
+    first = {"from1": 1, "one-sequence": 7}.get(case, 0)
+    positions = torch.cat([torch.arange(n) + first for n in lengths])
+    if case == "random":
+        positions = torch.randint(0, 4, (int(torch.randint(2, 20, ())),))
+    positions = positions[None].to(device())
+    theirs = find_packed_sequence_indices(positions)
+    ours = boundaries_from_positions(positions)
+    assert (ours is None) == (theirs is None)
+    if ours is not None:
+        cu, longest = ours
+        assert cu.dtype == torch.int32 and cu.device == positions.device and longest == int(cu.diff().max())
+        ids = torch.repeat_interleave(torch.arange(len(cu) - 1, device=device()), cu.diff().long())
+        assert torch.equal(ids, theirs[0])
+    if case != "random":
+        assert (ours is None) == (len(lengths) == 1)
+        assert ours is None or ours[0].tolist() == [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    flat = boundaries_from_positions(positions[0])  # a [T] row reads as the [1, T] one
+    assert (flat is None) == (ours is None) and (flat is None or torch.equal(flat[0], ours[0]))
+    with pytest.raises(ValueError, match=r"position_ids: expected one row, \[T\] or \[1, T\]"):
+        boundaries_from_positions(positions.expand(2, -1))
 
 
 @pytest.mark.parametrize("fla_installed", [False, True])
