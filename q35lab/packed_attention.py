@@ -147,4 +147,4 @@ def describe() -> str:
                 "torch.nn.attention.varlen (torch >= 2.9 has)")
     return ("torch's variable-length flash attention (varlen_attn) when the row's boundaries are known "
             "(cu_seq_lens, given or derived from position_ids) on a CUDA device in bf16/fp16; SDPA, as "
-            "before, for every other call")
+            "before, for every other call (a packed row's with transformers' block mask)")

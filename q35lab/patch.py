@@ -1023,7 +1023,8 @@ def _packing(gdn: torch.nn.Module) -> str:
         return (f"sequences kept apart when their boundaries come as cu_seq_lens_q (DataCollatorWithFlattening("
                 f"return_flash_attn_kwargs=True)) or as the position_ids of one row without an attention mask, a "
                 f"sequence starting wherever they do not step by one (transformers' rule; q35lab derives "
-                f"cu_seq_lens_q from them): the conv honours them, and {core}")
+                f"cu_seq_lens_q from them): the conv honours them, and {core}; such a row runs with "
+                f"use_cache=False, as transformers' full-attention mask ignores the packing when it has a cache")
     missing = [what for what, ok in (("the PyTorch causal conv1d", conv_ok), ("the PyTorch delta rule", core_ok))
                if not ok]
     return (f"{' and '.join(missing)} ignore cu_seq_lens_q: sequences packed in one row leak into each other; "
@@ -1031,29 +1032,40 @@ def _packing(gdn: torch.nn.Module) -> str:
 
 
 class _PackedBoundaries:
-    """Forward pre-hook of the module that runs the decoder layers: a row whose ``position_ids`` do
-    not step by one (``DataCollatorWithFlattening`` without ``return_flash_attn_kwargs``, positions
-    from 0 or from 1) gets its boundaries as ``cu_seq_lens_q/k`` and ``max_length_q/k`` too, which
-    the decoder layers pass on to the GatedDeltaNet (``position_ids`` stop at the decoder layer).
-    The boundaries are where transformers' masks split the row (``packed_attention.
-    boundaries_from_positions``: one rule for the attention and the GatedDeltaNet); without this the
-    GatedDeltaNet's conv and recurrence ran across them. Only for one row (batch 1: packing's
-    layout), without an attention mask or a cache, as transformers' masks, and only when the caller
-    gave no boundaries of its own."""
+    """Forward pre-hook of the module that runs the decoder layers, for a row of packed sequences.
+
+    Boundaries given as ``cu_seq_lens_q`` are used as they are. Otherwise a row whose
+    ``position_ids`` do not step by one (``packed_attention.boundaries_from_positions``: transformers'
+    rule, where its masks find packed sequences) gets them as ``cu_seq_lens_q/k`` and
+    ``max_length_q/k``, which the decoder layers pass on to the GatedDeltaNet (``position_ids`` stop
+    at the decoder layer); only for one row without an attention mask or a cache, as transformers'
+    masks do. A packed row then runs with ``use_cache=False``: with a cache (the default builds
+    one) transformers' full-attention mask ignores the packing. Refused (``ValueError``): a packed
+    row with a cache of the caller's."""
 
     def __reduce__(self):  # unpickled in a fresh process: the attention it feeds is registered there too
         return (_packed_boundaries, ())
 
     def __call__(self, module, args, kwargs):
-        positions = kwargs.get("position_ids")
-        if (positions is None or "cu_seq_lens_q" in kwargs or positions.dim() != 2 or positions.shape[0] != 1
-                or kwargs.get("attention_mask") is not None or long_context._has_cache(kwargs)):
-            return None
-        found = packed_attention.boundaries_from_positions(positions)  # the one sync
-        if found is None:
-            return None  # one sequence: nothing to keep apart
-        cu, longest = found
-        return args, {**kwargs, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+        derived = {}
+        if kwargs.get("cu_seq_lens_q") is None:
+            positions = kwargs.get("position_ids")
+            if (positions is None or positions.dim() != 2 or positions.shape[0] != 1
+                    or kwargs.get("attention_mask") is not None or long_context._has_cache(kwargs)):
+                return None
+            found = packed_attention.boundaries_from_positions(positions)  # the one sync
+            if found is None:
+                return None  # one sequence: nothing to keep apart
+            cu, longest = found
+            derived = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+        elif long_context._has_cache(kwargs):
+            raise ValueError("cache: a cache continues one sequence a row, and the row holds packed sequences "
+                             "(cu_seq_lens_q); call the model without a cache and with use_cache=False")
+        if kwargs.get("use_cache"):
+            warnings.warn("q35lab: use_cache=True for a row of packed sequences: it runs with use_cache=False and "
+                          "returns no cache (a cache continues one sequence a row, and transformers' mask would "
+                          "let the sequences see each other); pass use_cache=False", stacklevel=2)
+        return args, {**kwargs, **derived, "use_cache": False}
 
 
 def _packed_boundaries() -> _PackedBoundaries:
@@ -1236,6 +1248,10 @@ def apply_to_qwen3_5(
     one) runs PyTorch's variable-length flash attention, each sequence alone, instead of SDPA over a
     dense [T, T] block mask; every other call is SDPA as before. The switch is this model's: another
     model built from the same config object keeps SDPA. ``revert`` switches them back.
+
+    Packed rows (``DataCollatorWithFlattening``, with or without ``return_flash_attn_kwargs``) give
+    each sequence what it gets alone under the forward's default arguments: such a row runs with
+    ``use_cache=False``.
 
     Long context (off by default): ``tiled_mlp=N`` computes every MLP in tiles of N tokens,
     recomputed per tile in backward (a tile's intermediates instead of the sequence's);

@@ -36,10 +36,29 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _packed_step(model, sequences):
+def _packed_step(model, sequences, **options):
+    """The packed row's loss and gradients, under the forward's default arguments (Trainer's call)
+    unless ``options`` say otherwise."""
     model.zero_grad(set_to_none=True)
     ids, labels, kwargs = _packed(sequences)
-    loss = model(input_ids=ids, labels=labels, use_cache=False, **kwargs).loss
+    loss = model(input_ids=ids, labels=labels, **kwargs, **options).loss
+    loss.backward()
+    return loss.detach(), _grads(model)
+
+
+def _collated(sequences, **collator_options):
+    """``DataCollatorWithFlattening(**collator_options)``'s row of ``sequences``, on the device."""
+    from transformers import DataCollatorWithFlattening
+
+    batch = DataCollatorWithFlattening(**collator_options)([{"input_ids": s.tolist()} for s in sequences])
+    return {k: torch.as_tensor(v).to(device()) for k, v in batch.items()}
+
+
+def _collated_step(model, sequences, **collator_options):
+    """The loss and gradients of the collator's row, the model called as Trainer calls it: the
+    collator's dict and nothing else (use_cache at its default)."""
+    model.zero_grad(set_to_none=True)
+    loss = model(**_collated(sequences, **collator_options)).loss
     loss.backward()
     return loss.detach(), _grads(model)
 
@@ -111,6 +130,51 @@ def test_a_row_with_restarting_position_ids_only_is_kept_apart_too(lengths):
     assert any(not torch.allclose(leaked_grads[n], g, rtol=1e-3, atol=1e-6) for n, g in alone[1].items())
     q35lab.revert(patched)
     torch.testing.assert_close(positions_only_step(patched)[0], leaked, rtol=1e-5, atol=1e-6)
+
+
+# The collator's options: boundaries given (cu_seq_lens_q) or in position_ids alone, positions from
+# 0 or from 1 (1, 2, ..., 1, 2, ...); gradient checkpointing on for two of them.
+COLLATED = [pytest.param(flash_kwargs, start, checkpointing,
+                         id=f"{'cu' if flash_kwargs else 'positions'}-from{start}{'-checkpointed' * checkpointing}")
+            for flash_kwargs, start, checkpointing in ((True, 0, False), (False, 0, False), (True, 1, False),
+                                                       (False, 1, False), (True, 1, True), (False, 0, True))]
+
+
+@pytest.mark.parametrize("flash_kwargs, start, checkpointing", COLLATED)
+def test_a_collated_row_under_the_default_kwargs_gives_its_sequences_run_alone_unpatched(flash_kwargs, start,
+                                                                                         checkpointing):
+    """Trainer's call of a packed row: no use_cache=False. transformers' default (use_cache=True)
+    builds a cache in train mode without checkpointing, and its full-attention mask then ignores the
+    packing: the patch runs the row without one. Positions restarting at 1 split where they do not
+    step by one (transformers' rule), as the masks split them."""
+    sequences = [torch.randint(0, TEXT["vocab_size"], (n,), device=device()) for n in (5, 1, 9, 4)]
+    unpatched = _peft_model(seed=8)
+    patched = copy.deepcopy(unpatched)
+    q35lab.apply_to_qwen3_5(patched)
+    if checkpointing:
+        patched.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    patched.train()
+    alone = _one_at_a_time(unpatched, sequences)
+    options = {"return_flash_attn_kwargs": flash_kwargs, "position_ids_start": start}
+    _assert_same(_collated_step(patched, sequences, **options), alone)
+    with torch.no_grad():  # and so does the evaluation of the same row (eval mode, no grad, use_cache by default)
+        patched.eval()
+        torch.testing.assert_close(patched(**_collated(sequences, **options)).loss, alone[0], rtol=1e-4, atol=1e-5)
+
+
+def test_use_cache_true_for_a_packed_row_is_turned_off_with_a_warning_and_a_cache_of_the_callers_is_refused():
+    from transformers import DynamicCache
+
+    sequences = [torch.randint(0, TEXT["vocab_size"], (n,), device=device()) for n in (3, 6, 2)]
+    model = _peft_model(seed=9)
+    q35lab.apply_to_qwen3_5(model)
+    alone = _one_at_a_time(model, sequences)
+    with pytest.warns(UserWarning, match="use_cache=True for a row of packed sequences"):
+        _assert_same(_packed_step(model, sequences, use_cache=True), alone)
+    _assert_same(_packed_step(model, sequences, use_cache=False), alone)
+    ids, labels, kwargs = _packed(sequences)
+    with pytest.raises(ValueError, match="cache: a cache continues one sequence a row"):
+        model(input_ids=ids, labels=labels, **kwargs, past_key_values=DynamicCache(config=model.config))
 
 
 def test_without_the_conv_patch_the_report_says_packed_sequences_leak():
