@@ -1013,22 +1013,30 @@ def _causal_conv(gdn: torch.nn.Module) -> str:
     return "transformers' PyTorch fallback (a depthwise nn.Conv1d between two transposes): patch with conv=True"
 
 
-def _packing(gdn: torch.nn.Module) -> str:
-    """Whether sequences packed in one row (cu_seq_lens_q) stay apart in this GatedDeltaNet."""
-    fla = _core_is_fla(gdn)
+def _packing_problem(gdn: torch.nn.Module) -> str | None:
+    """Why this GatedDeltaNet cannot keep sequences packed in one row (cu_seq_lens_q) apart, or None."""
     conv_ok = _marked(gdn, _CONV) is not None or _conv_problem(gdn) == "the causal-conv1d CUDA package runs it"
-    core_ok = fla or type(gdn).__module__ in _DELTA_RULE_SWITCHES and _marked(gdn, _CONV) is not None
-    if conv_ok and core_ok:
-        core = "fla's delta rule" if fla else "transformers' PyTorch delta rule, run by q35lab once per sequence"
-        return (f"sequences kept apart when their boundaries come as cu_seq_lens_q (DataCollatorWithFlattening("
-                f"return_flash_attn_kwargs=True)) or as the position_ids of one row without an attention mask, a "
-                f"sequence starting wherever they do not step by one (transformers' rule; q35lab derives "
-                f"cu_seq_lens_q from them): the conv honours them, and {core}; such a row runs with "
-                f"use_cache=False, as transformers' full-attention mask ignores the packing when it has a cache")
-    missing = [what for what, ok in (("the PyTorch causal conv1d", conv_ok), ("the PyTorch delta rule", core_ok))
-               if not ok]
-    return (f"{' and '.join(missing)} ignore cu_seq_lens_q: sequences packed in one row leak into each other; "
-            "patch with conv=True (or install flash-linear-attention and causal-conv1d)")
+    core_ok = _core_is_fla(gdn) or type(gdn).__module__ in _DELTA_RULE_SWITCHES and _marked(gdn, _CONV) is not None
+    missing = [what for what, ok in (("causal conv1d", conv_ok), ("delta rule", core_ok)) if not ok]
+    if not missing:
+        return None
+    return (f"transformers' PyTorch {' and '.join(missing)} cannot keep the sequences of a packed row apart (the "
+            "boundaries are ignored or refused); patch with conv=True (or install flash-linear-attention and "
+            "causal-conv1d)")
+
+
+def _packing(gdn: torch.nn.Module) -> str:
+    """What a row of packed sequences gets: kept apart, or refused (``_PackedBoundaries`` raises)."""
+    problem = _packing_problem(gdn)
+    if problem:
+        return f"a row of packed sequences is refused (ValueError): {problem}"
+    core = ("fla's delta rule" if _core_is_fla(gdn)
+            else "transformers' PyTorch delta rule, run by q35lab once per sequence")
+    return ("sequences kept apart when their boundaries come as cu_seq_lens_q (DataCollatorWithFlattening("
+            "return_flash_attn_kwargs=True)) or as the position_ids of one row without an attention mask, a "
+            "sequence starting wherever they do not step by one (transformers' rule; q35lab derives cu_seq_lens_q "
+            f"from them): the conv honours them, and {core}; such a row runs with use_cache=False, as transformers' "
+            "full-attention mask ignores the packing when it has a cache")
 
 
 class _PackedBoundaries:
@@ -1041,7 +1049,7 @@ class _PackedBoundaries:
     at the decoder layer); only for one row without an attention mask or a cache, as transformers'
     masks do. A packed row then runs with ``use_cache=False``: with a cache (the default builds
     one) transformers' full-attention mask ignores the packing. Refused (``ValueError``): a packed
-    row with a cache of the caller's."""
+    row with a cache of the caller's, or in a model whose GatedDeltaNet cannot keep it apart."""
 
     def __reduce__(self):  # unpickled in a fresh process: the attention it feeds is registered there too
         return (_packed_boundaries, ())
@@ -1061,6 +1069,10 @@ class _PackedBoundaries:
         elif long_context._has_cache(kwargs):
             raise ValueError("cache: a cache continues one sequence a row, and the row holds packed sequences "
                              "(cu_seq_lens_q); call the model without a cache and with use_cache=False")
+        gdn = next((m for m in module.modules() if _is_gated_delta_net(m)), None)
+        problem = None if gdn is None else _packing_problem(gdn)
+        if problem:
+            raise ValueError(f"q35lab: a row of packed sequences: {problem}")
         if kwargs.get("use_cache"):
             warnings.warn("q35lab: use_cache=True for a row of packed sequences: it runs with use_cache=False and "
                           "returns no cache (a cache continues one sequence a row, and transformers' mask would "
@@ -1251,7 +1263,8 @@ def apply_to_qwen3_5(
 
     Packed rows (``DataCollatorWithFlattening``, with or without ``return_flash_attn_kwargs``) give
     each sequence what it gets alone under the forward's default arguments: such a row runs with
-    ``use_cache=False``.
+    ``use_cache=False``. Where the GatedDeltaNet cannot keep them apart (``conv=False`` without the
+    causal-conv1d package), a packed row is refused; the report's ``packed batches`` line says which.
 
     Long context (off by default): ``tiled_mlp=N`` computes every MLP in tiles of N tokens,
     recomputed per tile in backward (a tile's intermediates instead of the sequence's);

@@ -177,10 +177,32 @@ def test_use_cache_true_for_a_packed_row_is_turned_off_with_a_warning_and_a_cach
         model(input_ids=ids, labels=labels, **kwargs, past_key_values=DynamicCache(config=model.config))
 
 
-def test_without_the_conv_patch_the_report_says_packed_sequences_leak():
-    model = _peft_model(seed=2)
-    report = q35lab.apply_to_qwen3_5(model, conv=False)
-    assert "ignore" in report.runs["packed batches"] and "conv=True" in report.runs["packed batches"]
+@pytest.mark.parametrize("conv", [True, False])
+def test_the_packed_batches_line_says_what_a_packed_row_gets(conv):
+    """Kept apart: the collated row (both collator layouts) gives its sequences run alone. Refused:
+    the forward raises a ValueError with the line's reason, and a row of one sequence still runs."""
+    from q35lab import patch
+
+    sequences = [torch.randint(0, TEXT["vocab_size"], (n,), device=device()) for n in (4, 7, 2)]
+    unpatched = _peft_model(seed=2)
+    patched = copy.deepcopy(unpatched)
+    line = q35lab.apply_to_qwen3_5(patched, conv=conv).runs["packed batches"]
+    if not patch._installed("causal_conv1d"):  # without the package, only q35lab's conv keeps them apart
+        assert line.startswith("sequences kept apart") == conv
+    if line.startswith("sequences kept apart"):
+        alone = _one_at_a_time(unpatched, sequences)
+        for flash_kwargs in (True, False):
+            _assert_same(_collated_step(patched, sequences, return_flash_attn_kwargs=flash_kwargs), alone)
+        return
+    prefix = "a row of packed sequences is refused (ValueError): "
+    assert line.startswith(prefix) and "conv=True" in line
+    for flash_kwargs in (True, False):
+        with pytest.raises(ValueError) as refused:
+            _collated_step(patched, sequences, return_flash_attn_kwargs=flash_kwargs)
+        assert line[len(prefix):] in str(refused.value)
+    one = sequences[1][None]
+    torch.testing.assert_close(patched(input_ids=one, labels=one).loss, unpatched(input_ids=one, labels=one).loss,
+                               rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("case", ["from0", "from1", "ones", "one-sequence", "random"])
