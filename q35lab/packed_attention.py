@@ -1,7 +1,7 @@
 """Full attention of packed rows without a [T, T] mask: transformers' SDPA, except where a row's
 sequence boundaries are known, which go to PyTorch's variable-length flash attention.
 
-A packed row (many short sequences in one row, ``position_ids`` restarting at each) is block-
+A packed row (many short sequences in one row, ``position_ids`` starting anew at each) is block-
 causal: token t attends to the tokens of its own sequence up to itself. transformers' SDPA path
 writes that as a dense boolean mask, [1, 1, T, T] (1 GiB at T = 32k), and SDPA with an arbitrary
 mask cannot skip the blocks the mask rules out: it computes every query against every key, about
@@ -12,7 +12,7 @@ sequences, ``bench.e2e.sft_lengths``).
 ``cu_seq_lens = [0, n₁, n₁ + n₂, ..., T]`` and runs flash attention over each sequence alone:
 the row costs what its sequences cost. q35lab registers one attention implementation with
 transformers (``NAME``): given ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (the packing collator's
-``return_flash_attn_kwargs``, or derived by q35lab from restarting ``position_ids``), on a CUDA
+``return_flash_attn_kwargs``, or derived by q35lab from ``position_ids``), on a CUDA
 device, in bf16 or fp16, one row whose queries are its keys, it calls ``varlen_attn``; every other
 call (padding masks, a cache, fp32, a CPU, no boundaries) is transformers' own SDPA function with
 transformers' own SDPA mask, unchanged. With boundaries the mask is not read: they say the same
@@ -67,6 +67,24 @@ def register() -> None:
 
     ALL_ATTENTION_FUNCTIONS.register(NAME, sdpa_or_varlen_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+def boundaries_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """The sequences of one packed row by transformers' rule (``masking_utils.find_packed_sequence_indices``,
+    which its SDPA, eager and flex masks follow): a sequence starts wherever ``position_ids`` do not step
+    by one, so rows restarting at 0 or at 1 both split. ``position_ids``: [T] or [1, T]. Returns
+    ``(cu_seq_lens, longest)`` (int32 ``[0, s_1, ..., T]`` on the positions' device, the longest
+    sequence's tokens), or None for a row of one sequence. One host sync."""
+    if position_ids.dim() == 2 and position_ids.shape[0] == 1:
+        position_ids = position_ids[0]
+    if position_ids.dim() != 1:
+        raise ValueError(f"position_ids: expected one row, [T] or [1, T], got shape {tuple(position_ids.shape)}")
+    starts = ((position_ids.diff() != 1).nonzero().flatten() + 1).tolist()  # the sync
+    if not starts:
+        return None
+    edges = [0, *starts, position_ids.shape[0]]
+    longest = max(b - a for a, b in zip(edges, edges[1:]))
+    return torch.tensor(edges, dtype=torch.int32, device=position_ids.device), longest
 
 
 def flash_can_run(query: torch.Tensor) -> bool:
@@ -127,4 +145,4 @@ def describe() -> str:
                 "torch.nn.attention.varlen (torch >= 2.9 has)")
     return ("torch's variable-length flash attention (varlen_attn) when the row's boundaries are known "
             "(cu_seq_lens, given or derived from position_ids) on a CUDA device in bf16/fp16; SDPA, as "
-            "before, for every other call")
+            "before, for every other call (a packed row's with transformers' block mask)")

@@ -1013,49 +1013,71 @@ def _causal_conv(gdn: torch.nn.Module) -> str:
     return "transformers' PyTorch fallback (a depthwise nn.Conv1d between two transposes): patch with conv=True"
 
 
-def _packing(gdn: torch.nn.Module) -> str:
-    """Whether sequences packed in one row (cu_seq_lens_q) stay apart in this GatedDeltaNet."""
-    fla = _core_is_fla(gdn)
+def _packing_problem(gdn: torch.nn.Module) -> str | None:
+    """Why this GatedDeltaNet cannot keep sequences packed in one row (cu_seq_lens_q) apart, or None."""
     conv_ok = _marked(gdn, _CONV) is not None or _conv_problem(gdn) == "the causal-conv1d CUDA package runs it"
-    core_ok = fla or type(gdn).__module__ in _DELTA_RULE_SWITCHES and _marked(gdn, _CONV) is not None
-    if conv_ok and core_ok:
-        core = "fla's delta rule" if fla else "transformers' PyTorch delta rule, run by q35lab once per sequence"
-        return (f"sequences kept apart when their boundaries come as cu_seq_lens_q (DataCollatorWithFlattening("
-                f"return_flash_attn_kwargs=True)) or as position_ids restarting in one row (q35lab derives "
-                f"cu_seq_lens_q from them): the conv honours them, and {core}")
-    missing = [what for what, ok in (("the PyTorch causal conv1d", conv_ok), ("the PyTorch delta rule", core_ok))
-               if not ok]
-    return (f"{' and '.join(missing)} ignore cu_seq_lens_q: sequences packed in one row leak into each other; "
-            "patch with conv=True (or install flash-linear-attention and causal-conv1d)")
+    core_ok = _core_is_fla(gdn) or type(gdn).__module__ in _DELTA_RULE_SWITCHES and _marked(gdn, _CONV) is not None
+    missing = [what for what, ok in (("causal conv1d", conv_ok), ("delta rule", core_ok)) if not ok]
+    if not missing:
+        return None
+    return (f"transformers' PyTorch {' and '.join(missing)} cannot keep the sequences of a packed row apart (the "
+            "boundaries are ignored or refused); patch with conv=True (or install flash-linear-attention and "
+            "causal-conv1d)")
+
+
+def _packing(gdn: torch.nn.Module) -> str:
+    """What a row of packed sequences gets: kept apart, or refused (``_PackedBoundaries`` raises)."""
+    problem = _packing_problem(gdn)
+    if problem:
+        return f"a row of packed sequences is refused (ValueError): {problem}"
+    core = ("fla's delta rule" if _core_is_fla(gdn)
+            else "transformers' PyTorch delta rule, run by q35lab once per sequence")
+    return ("sequences kept apart when their boundaries come as cu_seq_lens_q (DataCollatorWithFlattening("
+            "return_flash_attn_kwargs=True)) or as the position_ids of one row without an attention mask, a "
+            "sequence starting wherever they do not step by one (transformers' rule; q35lab derives cu_seq_lens_q "
+            f"from them): the conv honours them, and {core}; such a row runs with use_cache=False, as transformers' "
+            "full-attention mask ignores the packing when it has a cache")
 
 
 class _PackedBoundaries:
-    """Forward pre-hook of the module that runs the decoder layers: a row whose ``position_ids``
-    restart (transformers' packing convention, ``DataCollatorWithFlattening`` without
-    ``return_flash_attn_kwargs``) gets its boundaries as ``cu_seq_lens_q/k`` and
-    ``max_length_q/k`` too, which the decoder layers pass on to the GatedDeltaNet (``position_ids``
-    stop at the decoder layer). transformers' attention already keeps such sequences apart by
-    their ``position_ids``; without this the GatedDeltaNet's conv and recurrence ran across them.
+    """Forward pre-hook of the module that runs the decoder layers, for a row of packed sequences.
 
-    ``cu_seq_lens = [0, s_1, ..., s_{n-1}, T]`` with ``s_j`` the tokens where ``position_ids`` is 0
-    (one device sync a forward). Only for one row (batch 1: packing's layout), without an
-    attention mask or a cache, and only when the caller gave no boundaries of its own."""
+    Boundaries given as ``cu_seq_lens_q`` are used as they are. Otherwise a row whose
+    ``position_ids`` do not step by one (``packed_attention.boundaries_from_positions``: transformers'
+    rule, where its masks find packed sequences) gets them as ``cu_seq_lens_q/k`` and
+    ``max_length_q/k``, which the decoder layers pass on to the GatedDeltaNet (``position_ids`` stop
+    at the decoder layer); only for one row without an attention mask or a cache, as transformers'
+    masks do. A packed row then runs with ``use_cache=False``: with a cache (the default builds
+    one) transformers' full-attention mask ignores the packing. Refused (``ValueError``): a packed
+    row with a cache of the caller's, or in a model whose GatedDeltaNet cannot keep it apart."""
 
     def __reduce__(self):  # unpickled in a fresh process: the attention it feeds is registered there too
         return (_packed_boundaries, ())
 
     def __call__(self, module, args, kwargs):
-        positions = kwargs.get("position_ids")
-        if (positions is None or "cu_seq_lens_q" in kwargs or positions.dim() != 2 or positions.shape[0] != 1
-                or kwargs.get("attention_mask") is not None or long_context._has_cache(kwargs)):
-            return None
-        starts = torch.nonzero(positions[0] == 0).flatten().tolist()  # the one sync
-        edges = sorted({0, *starts, positions.shape[1]})
-        if len(edges) <= 2:
-            return None  # one sequence (or positions that never restart): nothing to keep apart
-        cu = torch.tensor(edges, dtype=torch.int32, device=positions.device)
-        longest = max(b - a for a, b in zip(edges, edges[1:]))
-        return args, {**kwargs, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+        derived = {}
+        if kwargs.get("cu_seq_lens_q") is None:
+            positions = kwargs.get("position_ids")
+            if (positions is None or positions.dim() != 2 or positions.shape[0] != 1
+                    or kwargs.get("attention_mask") is not None or long_context._has_cache(kwargs)):
+                return None
+            found = packed_attention.boundaries_from_positions(positions)  # the one sync
+            if found is None:
+                return None  # one sequence: nothing to keep apart
+            cu, longest = found
+            derived = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+        elif long_context._has_cache(kwargs):
+            raise ValueError("cache: a cache continues one sequence a row, and the row holds packed sequences "
+                             "(cu_seq_lens_q); call the model without a cache and with use_cache=False")
+        gdn = next((m for m in module.modules() if _is_gated_delta_net(m)), None)
+        problem = None if gdn is None else _packing_problem(gdn)
+        if problem:
+            raise ValueError(f"q35lab: a row of packed sequences: {problem}")
+        if kwargs.get("use_cache"):
+            warnings.warn("q35lab: use_cache=True for a row of packed sequences: it runs with use_cache=False and "
+                          "returns no cache (a cache continues one sequence a row, and transformers' mask would "
+                          "let the sequences see each other); pass use_cache=False", stacklevel=2)
+        return args, {**kwargs, **derived, "use_cache": False}
 
 
 def _packed_boundaries() -> _PackedBoundaries:
@@ -1070,6 +1092,39 @@ def _packed_boundaries() -> _PackedBoundaries:
 ATTENTION_CLASSES = ("Qwen3_5Attention", "Qwen3_5MoeAttention")
 
 
+class _AttentionConfig:
+    """The config a full-attention layer of a patched model reads: its model's config in every
+    attribute, read or written, except that SDPA reads as q35lab's implementation. The switch is
+    this model's, not the config object's, which other models may share (one built from the same
+    config keeps SDPA), and a later change of the model's implementation reaches the layer."""
+
+    def __init__(self, config):
+        object.__setattr__(self, "_q35lab_config", config)
+
+    def __getattr__(self, name):  # only what the view itself lacks: every config attribute
+        if name == "_q35lab_config":  # (not set yet: an instance that copy or pickle is building)
+            raise AttributeError(name)
+        value = getattr(self._q35lab_config, name)
+        return packed_attention.NAME if name == "_attn_implementation" and value == "sdpa" else value
+
+    def __setattr__(self, name, value):
+        setattr(self._q35lab_config, name, value)
+
+    def __delattr__(self, name):
+        delattr(self._q35lab_config, name)
+
+    def __reduce__(self):  # unpickled in a fresh process: the implementation is registered there too
+        return (_attention_config, (self._q35lab_config,))
+
+    def __repr__(self) -> str:
+        return f"<q35lab attention view of {type(self._q35lab_config).__name__}>"
+
+
+def _attention_config(config) -> _AttentionConfig:
+    packed_attention.register()
+    return _AttentionConfig(config)
+
+
 def _attention_layers(model: torch.nn.Module, implementation: str | None = None) -> list:
     """The model's full-attention modules (text decoder) that read their implementation from a
     config; with ``implementation``, those set to it."""
@@ -1078,16 +1133,11 @@ def _attention_layers(model: torch.nn.Module, implementation: str | None = None)
             and (implementation is None or getattr(m.config, "_attn_implementation", None) == implementation)]
 
 
-def _switch_attention(layers: list, implementation: str) -> None:
-    for config in {id(m.config): m.config for m in layers}.values():  # layers share their config
-        config._attn_implementation = implementation
-
-
 def _patch_attention(model: torch.nn.Module, report: "PatchReport") -> None:
     layers = _attention_layers(model)
-    on_sdpa = [m for m in layers if m.config._attn_implementation == "sdpa"]
-    switched = [m for m in layers if m.config._attn_implementation == packed_attention.NAME]
-    others = {str(m.config._attn_implementation) for m in layers} - {"sdpa", packed_attention.NAME}
+    switched = [m for m in layers if isinstance(m.config, _AttentionConfig)]
+    on_sdpa = [m for m in layers if m not in switched and m.config._attn_implementation == "sdpa"]
+    others = {str(m.config._attn_implementation) for m in layers if m not in switched} - {"sdpa"}
     if not on_sdpa:
         if others:
             report.not_applied["varlen_attention"] = (f"the attention runs {', '.join(sorted(others))}, not "
@@ -1097,14 +1147,18 @@ def _patch_attention(model: torch.nn.Module, report: "PatchReport") -> None:
     if packed_attention.varlen_attention_function() is None:
         report.not_applied["varlen_attention"] = packed_attention.describe()
         return
-    packed_attention.register()
-    _switch_attention(on_sdpa, packed_attention.NAME)
+    views = {}
+    for m in on_sdpa:  # one view per config object, shared by the layers of this model that share it
+        if id(m.config) not in views:
+            views[id(m.config)] = _attention_config(m.config)
+        m.config = views[id(m.config)]
     report.replaced[f"{type(on_sdpa[0]).__name__} (SDPA; packed rows: varlen flash attention)"] += len(on_sdpa)
 
 
 def _unpatch_attention(model: torch.nn.Module, report: "PatchReport") -> None:
-    switched = _attention_layers(model, packed_attention.NAME)
-    _switch_attention(switched, "sdpa")
+    switched = [m for m in _attention_layers(model) if isinstance(m.config, _AttentionConfig)]
+    for m in switched:
+        m.config = m.config._q35lab_config
     if switched:
         report.reverted[f"{type(switched[0]).__name__} (SDPA)"] += len(switched)
 
@@ -1202,9 +1256,15 @@ def apply_to_qwen3_5(
 
     ``varlen_attention``: full-attention layers that run transformers' SDPA switch to q35lab's
     attention implementation (``q35lab.packed_attention``): a packed row whose boundaries are known
-    (``cu_seq_lens_q``, given by the collator or derived from restarting ``position_ids``) runs
-    PyTorch's variable-length flash attention, each sequence alone, instead of SDPA over a dense
-    [T, T] block mask; every other call is SDPA as before. ``revert`` switches them back.
+    (``cu_seq_lens_q``, given by the collator or derived from ``position_ids`` that do not step by
+    one) runs PyTorch's variable-length flash attention, each sequence alone, instead of SDPA over a
+    dense [T, T] block mask; every other call is SDPA as before. The switch is this model's: another
+    model built from the same config object keeps SDPA. ``revert`` switches them back.
+
+    Packed rows (``DataCollatorWithFlattening``, with or without ``return_flash_attn_kwargs``) give
+    each sequence what it gets alone under the forward's default arguments: such a row runs with
+    ``use_cache=False``. Where the GatedDeltaNet cannot keep them apart (``conv=False`` without the
+    causal-conv1d package), a packed row is refused; the report's ``packed batches`` line says which.
 
     Long context (off by default): ``tiled_mlp=N`` computes every MLP in tiles of N tokens,
     recomputed per tile in backward (a tile's intermediates instead of the sequence's);

@@ -17,7 +17,7 @@ from q35lab import packed_attention
 from q35lab.numerics import assert_close_by_rule
 from q35lab.runtime import device
 
-from test_packing import _one_at_a_time, _packed_step, _peft_model
+from test_packing import _one_at_a_time, _packed, _packed_step, _peft_model
 from tiny_models import TEXT, assert_same_loss_and_grads, causal_lm
 
 
@@ -56,6 +56,11 @@ def _full_attention_layers(model):
     return sum(type(m).__name__ == "Qwen3_5Attention" for m in model.modules())
 
 
+def _implementations(model):
+    """What the model's full-attention layers run, as transformers reads it (``layer.config``)."""
+    return {m.config._attn_implementation for m in model.modules() if type(m).__name__ == "Qwen3_5Attention"}
+
+
 @pytest.mark.parametrize("lengths", [[5, 9, 3], [1, 6, 2, 7]], ids=lambda ls: "-".join(map(str, ls)))
 def test_a_packed_row_runs_each_sequence_alone_without_a_dense_mask(stand_in, monkeypatch, lengths):
     """Loss and every gradient of the packed row = the sequences run alone; the attention got
@@ -78,14 +83,16 @@ def test_a_packed_row_runs_each_sequence_alone_without_a_dense_mask(stand_in, mo
     assert not sdpa_calls
 
 
-def test_boundaries_derived_from_position_ids_take_the_varlen_path_too(stand_in):
-    """DataCollatorWithFlattening's default row (position_ids only): q35lab derives cu_seq_lens."""
+@pytest.mark.parametrize("start", [0, 1])
+def test_boundaries_derived_from_position_ids_take_the_varlen_path_too(stand_in, start):
+    """DataCollatorWithFlattening's default row (position_ids only, from 0 or from 1): q35lab
+    derives cu_seq_lens where the positions do not step by one."""
     model = _peft_model(seed=2)
     q35lab.apply_to_qwen3_5(model)
     lengths = [4, 7, 2]
     sequences = [torch.randint(0, TEXT["vocab_size"], (n,), device=device()) for n in lengths]
     ids = torch.cat(sequences)[None]
-    positions = torch.cat([torch.arange(n, device=device()) for n in lengths])[None]
+    positions = torch.cat([torch.arange(n, device=device()) + start for n in lengths])[None]
     labels = ids.clone()
     labels[0, [0, 4, 11]] = -100
     with torch.no_grad():
@@ -101,7 +108,7 @@ def test_every_other_call_is_transformers_sdpa_unchanged(stand_in):
     plain.load_state_dict(switched.state_dict())
     q35lab.apply_to_qwen3_5(switched)
     q35lab.apply_to_qwen3_5(plain, varlen_attention=False)
-    assert plain.config._attn_implementation == "sdpa" != switched.config._attn_implementation
+    assert _implementations(plain) == {"sdpa"} != _implementations(switched)
     ids = torch.randint(0, TEXT["vocab_size"], (2, 9), device=device())
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0
@@ -120,24 +127,57 @@ def test_the_switch_is_reported_reverted_and_left_alone_where_it_does_not_apply(
     report = q35lab.apply_to_qwen3_5(model)
     if packed_attention.varlen_attention_function() is not None:  # torch >= 2.9
         assert report.replaced["Qwen3_5Attention (SDPA; packed rows: varlen flash attention)"] == 1
-        assert model.config._attn_implementation == packed_attention.NAME
+        assert _implementations(model) == {packed_attention.NAME} and model.config._attn_implementation == "sdpa"
         assert "q35lab" not in model.config.to_json_string()  # a saved config names no q35lab implementation
     again = q35lab.apply_to_qwen3_5(model)
     assert not any("Attention" in name for name in again.replaced)
     reverted = q35lab.revert(model)
-    assert model.config._attn_implementation == "sdpa"
+    assert _implementations(model) == {"sdpa"}
     assert reverted.reverted.get("Qwen3_5Attention (SDPA)", 0) == (packed_attention.varlen_attention_function() is not None)
 
     eager = causal_lm()
     eager.config._attn_implementation = "eager"
     report = q35lab.apply_to_qwen3_5(eager)
-    assert eager.config._attn_implementation == "eager" and "eager" in report.not_applied["varlen_attention"]
+    assert _implementations(eager) == {"eager"} and "eager" in report.not_applied["varlen_attention"]
 
     monkeypatch.setattr(packed_attention, "varlen_attention_function", lambda: None)
     older = causal_lm()
     report = q35lab.apply_to_qwen3_5(older)
-    assert older.config._attn_implementation == "sdpa"
+    assert _implementations(older) == {"sdpa"}
     assert "no torch.nn.attention.varlen" in report.not_applied["varlen_attention"]
+
+
+def test_two_models_of_one_config_object_are_switched_and_reverted_each_on_its_own(stand_in):
+    """Patching one model leaves the other's attention (and the shared config) on SDPA; patching the
+    other is its own patch; reverting one leaves the other switched. A packed row of the other
+    model (patched without the switch: its GatedDeltaNet keeps the row apart) never reaches varlen_attn."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(intermediate_size=96, **TEXT)
+    a, b = Qwen3_5ForCausalLM(config).to(device()), Qwen3_5ForCausalLM(config).to(device())
+    assert a.config is b.config
+    q35lab.apply_to_qwen3_5(b, varlen_attention=False)
+    first = q35lab.apply_to_qwen3_5(a)
+    assert first.replaced["Qwen3_5Attention (SDPA; packed rows: varlen flash attention)"] == 1
+    assert _implementations(a) == {packed_attention.NAME} and _implementations(b) == {"sdpa"}
+    assert config._attn_implementation == "sdpa"
+    sequences = [torch.randint(0, TEXT["vocab_size"], (n,), device=device()) for n in (3, 5)]
+    ids, labels, kwargs = _packed(sequences)
+    with torch.no_grad():
+        for model in (b, a):
+            model(input_ids=ids, labels=labels, **kwargs)
+    assert stand_in == [[0, 3, 8]]  # a's one attention layer, not b's
+    second = q35lab.apply_to_qwen3_5(b)
+    assert second.replaced["Qwen3_5Attention (SDPA; packed rows: varlen flash attention)"] == 1  # not "already"
+    assert "Qwen3_5Attention (SDPA)" in q35lab.revert(a).reverted
+    assert _implementations(a) == {"sdpa"} and _implementations(b) == {packed_attention.NAME}
+    b.set_attn_implementation("eager")  # the model's own switch reaches a switched layer, and back again
+    assert _implementations(b) == {"eager"}
+    b.set_attn_implementation("sdpa")
+    assert _implementations(b) == {packed_attention.NAME}
+    q35lab.revert(b)
+    assert _implementations(b) == {"sdpa"} and config._attn_implementation == "sdpa"
+    assert all(m.config is config for m in (*a.modules(), *b.modules()) if type(m).__name__ == "Qwen3_5Attention")
 
 
 def test_a_copy_and_a_pickled_model_keep_the_switch_and_find_it_registered():
@@ -150,7 +190,7 @@ def test_a_copy_and_a_pickled_model_keep_the_switch_and_find_it_registered():
     q35lab.apply_to_qwen3_5(model)
     twin = copy.deepcopy(model)
     q35lab.revert(twin)
-    assert twin.config._attn_implementation == "sdpa" and model.config._attn_implementation == packed_attention.NAME
+    assert _implementations(twin) == {"sdpa"} and _implementations(model) == {packed_attention.NAME}
     buffer = io.BytesIO()
     torch.save(model, buffer)
     for registry in (ALL_ATTENTION_FUNCTIONS, ALL_MASK_ATTENTION_FUNCTIONS):  # as in a fresh process

@@ -36,10 +36,29 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _packed_step(model, sequences):
+def _packed_step(model, sequences, **options):
+    """The packed row's loss and gradients, under the forward's default arguments (Trainer's call)
+    unless ``options`` say otherwise."""
     model.zero_grad(set_to_none=True)
     ids, labels, kwargs = _packed(sequences)
-    loss = model(input_ids=ids, labels=labels, use_cache=False, **kwargs).loss
+    loss = model(input_ids=ids, labels=labels, **kwargs, **options).loss
+    loss.backward()
+    return loss.detach(), _grads(model)
+
+
+def _collated(sequences, **collator_options):
+    """``DataCollatorWithFlattening(**collator_options)``'s row of ``sequences``, on the device."""
+    from transformers import DataCollatorWithFlattening
+
+    batch = DataCollatorWithFlattening(**collator_options)([{"input_ids": s.tolist()} for s in sequences])
+    return {k: torch.as_tensor(v).to(device()) for k, v in batch.items()}
+
+
+def _collated_step(model, sequences, **collator_options):
+    """The loss and gradients of the collator's row, the model called as Trainer calls it: the
+    collator's dict and nothing else (use_cache at its default)."""
+    model.zero_grad(set_to_none=True)
+    loss = model(**_collated(sequences, **collator_options)).loss
     loss.backward()
     return loss.detach(), _grads(model)
 
@@ -72,7 +91,8 @@ LENGTHS = [[5, 9, 3], [1, 6, 2, 7]]
 def test_a_packed_row_gives_the_loss_and_gradients_of_its_sequences_run_alone(lengths):
     model = _peft_model(seed=0)
     report = q35lab.apply_to_qwen3_5(model)
-    assert "sequence" in report.runs["packed batches"] and "position_ids restarting" in report.runs["packed batches"]
+    line = report.runs["packed batches"]
+    assert line.startswith("sequences kept apart") and "wherever they do not step by one" in line
     sequences = [torch.randint(0, TEXT["vocab_size"], (n,), device=device()) for n in lengths]
     _assert_same(_packed_step(model, sequences), _one_at_a_time(model, sequences))
 
@@ -101,7 +121,7 @@ def test_a_row_with_restarting_position_ids_only_is_kept_apart_too(lengths):
     unpatched = _peft_model(seed=3)
     patched = copy.deepcopy(unpatched)
     report = q35lab.apply_to_qwen3_5(patched)
-    assert "position_ids restarting in one row" in report.runs["packed batches"]
+    assert "or as the position_ids of one row" in report.runs["packed batches"]
     alone = _one_at_a_time(unpatched, sequences)
     _assert_same(positions_only_step(patched), alone)
     leaked, leaked_grads = positions_only_step(unpatched)
@@ -112,10 +132,111 @@ def test_a_row_with_restarting_position_ids_only_is_kept_apart_too(lengths):
     torch.testing.assert_close(positions_only_step(patched)[0], leaked, rtol=1e-5, atol=1e-6)
 
 
-def test_without_the_conv_patch_the_report_says_packed_sequences_leak():
-    model = _peft_model(seed=2)
-    report = q35lab.apply_to_qwen3_5(model, conv=False)
-    assert "ignore" in report.runs["packed batches"] and "conv=True" in report.runs["packed batches"]
+# The collator's options: boundaries given (cu_seq_lens_q) or in position_ids alone, positions from
+# 0 or from 1 (1, 2, ..., 1, 2, ...); gradient checkpointing on for two of them.
+COLLATED = [pytest.param(flash_kwargs, start, checkpointing,
+                         id=f"{'cu' if flash_kwargs else 'positions'}-from{start}{'-checkpointed' * checkpointing}")
+            for flash_kwargs, start, checkpointing in ((True, 0, False), (False, 0, False), (True, 1, False),
+                                                       (False, 1, False), (True, 1, True), (False, 0, True))]
+
+
+@pytest.mark.parametrize("flash_kwargs, start, checkpointing", COLLATED)
+def test_a_collated_row_under_the_default_kwargs_gives_its_sequences_run_alone_unpatched(flash_kwargs, start,
+                                                                                         checkpointing):
+    """Trainer's call of a packed row: no use_cache=False. transformers' default (use_cache=True)
+    builds a cache in train mode without checkpointing, and its full-attention mask then ignores the
+    packing: the patch runs the row without one. Positions restarting at 1 split where they do not
+    step by one (transformers' rule), as the masks split them."""
+    sequences = [torch.randint(0, TEXT["vocab_size"], (n,), device=device()) for n in (5, 1, 9, 4)]
+    unpatched = _peft_model(seed=8)
+    patched = copy.deepcopy(unpatched)
+    q35lab.apply_to_qwen3_5(patched)
+    if checkpointing:
+        patched.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    patched.train()
+    alone = _one_at_a_time(unpatched, sequences)
+    options = {"return_flash_attn_kwargs": flash_kwargs, "position_ids_start": start}
+    _assert_same(_collated_step(patched, sequences, **options), alone)
+    with torch.no_grad():  # and so does the evaluation of the same row (eval mode, no grad, use_cache by default)
+        patched.eval()
+        torch.testing.assert_close(patched(**_collated(sequences, **options)).loss, alone[0], rtol=1e-4, atol=1e-5)
+
+
+def test_use_cache_true_for_a_packed_row_is_turned_off_with_a_warning_and_a_cache_of_the_callers_is_refused():
+    from transformers import DynamicCache
+
+    sequences = [torch.randint(0, TEXT["vocab_size"], (n,), device=device()) for n in (3, 6, 2)]
+    model = _peft_model(seed=9)
+    q35lab.apply_to_qwen3_5(model)
+    alone = _one_at_a_time(model, sequences)
+    with pytest.warns(UserWarning, match="use_cache=True for a row of packed sequences"):
+        _assert_same(_packed_step(model, sequences, use_cache=True), alone)
+    _assert_same(_packed_step(model, sequences, use_cache=False), alone)
+    ids, labels, kwargs = _packed(sequences)
+    with pytest.raises(ValueError, match="cache: a cache continues one sequence a row"):
+        model(input_ids=ids, labels=labels, **kwargs, past_key_values=DynamicCache(config=model.config))
+
+
+@pytest.mark.parametrize("conv", [True, False])
+def test_the_packed_batches_line_says_what_a_packed_row_gets(conv):
+    """Kept apart: the collated row (both collator layouts) gives its sequences run alone. Refused:
+    the forward raises a ValueError with the line's reason, and a row of one sequence still runs."""
+    from q35lab import patch
+
+    sequences = [torch.randint(0, TEXT["vocab_size"], (n,), device=device()) for n in (4, 7, 2)]
+    unpatched = _peft_model(seed=2)
+    patched = copy.deepcopy(unpatched)
+    line = q35lab.apply_to_qwen3_5(patched, conv=conv).runs["packed batches"]
+    if not patch._installed("causal_conv1d"):  # without the package, only q35lab's conv keeps them apart
+        assert line.startswith("sequences kept apart") == conv
+    if line.startswith("sequences kept apart"):
+        alone = _one_at_a_time(unpatched, sequences)
+        for flash_kwargs in (True, False):
+            _assert_same(_collated_step(patched, sequences, return_flash_attn_kwargs=flash_kwargs), alone)
+        return
+    prefix = "a row of packed sequences is refused (ValueError): "
+    assert line.startswith(prefix) and "conv=True" in line
+    for flash_kwargs in (True, False):
+        with pytest.raises(ValueError) as refused:
+            _collated_step(patched, sequences, return_flash_attn_kwargs=flash_kwargs)
+        assert line[len(prefix):] in str(refused.value)
+    one = sequences[1][None]
+    torch.testing.assert_close(patched(input_ids=one, labels=one).loss, unpatched(input_ids=one, labels=one).loss,
+                               rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["from0", "from1", "ones", "one-sequence", "random"])
+def test_the_boundaries_of_a_row_are_those_transformers_masks_find(case):
+    """packed_attention.boundaries_from_positions against masking_utils.find_packed_sequence_indices
+    (what transformers' SDPA, eager and flex masks keep apart): rows of random lengths restarting at
+    0 or at 1, sequences of one token, one sequence, and random positions (a run that steps by one is
+    one sequence, wherever it starts)."""
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    from q35lab.packed_attention import boundaries_from_positions
+
+    lengths = torch.randint(1, 6, (int(torch.randint(2, 7, ())),)).tolist()
+    lengths = {"ones": [1] * len(lengths), "one-sequence": lengths[:1]}.get(case, lengths)
+    first = {"from1": 1, "one-sequence": 7}.get(case, 0)
+    positions = torch.cat([torch.arange(n) + first for n in lengths])
+    if case == "random":
+        positions = torch.randint(0, 4, (int(torch.randint(2, 20, ())),))
+    positions = positions[None].to(device())
+    theirs = find_packed_sequence_indices(positions)
+    ours = boundaries_from_positions(positions)
+    assert (ours is None) == (theirs is None)
+    if ours is not None:
+        cu, longest = ours
+        assert cu.dtype == torch.int32 and cu.device == positions.device and longest == int(cu.diff().max())
+        ids = torch.repeat_interleave(torch.arange(len(cu) - 1, device=device()), cu.diff().long())
+        assert torch.equal(ids, theirs[0])
+    if case != "random":
+        assert (ours is None) == (len(lengths) == 1)
+        assert ours is None or ours[0].tolist() == [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    flat = boundaries_from_positions(positions[0])  # a [T] row reads as the [1, T] one
+    assert (flat is None) == (ours is None) and (flat is None or torch.equal(flat[0], ours[0]))
+    with pytest.raises(ValueError, match=r"position_ids: expected one row, \[T\] or \[1, T\]"):
+        boundaries_from_positions(positions.expand(2, -1))
 
 
 @pytest.mark.parametrize("fla_installed", [False, True])
