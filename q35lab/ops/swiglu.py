@@ -731,7 +731,7 @@ class DownProjectionFunction(torch.autograd.Function):
 
 
 def _check_rounding(rounding: object) -> None:
-    if rounding not in ROUNDINGS:
+    if not isinstance(rounding, str) or rounding not in ROUNDINGS:
         raise ValueError(f"rounding: expected one of {ROUNDINGS}, got {rounding!r}")
 
 
@@ -758,7 +758,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, rounding: str = "hf", inplac
             always allocates fresh gradient buffers.
 
     Returns:
-        A new contiguous tensor of ``gate``'s shape and dtype.
+        Tensor: a new contiguous tensor of ``gate``'s shape and dtype.
+
+    Raises:
+        TypeError: ``gate`` or ``up`` not a bf16/fp16/fp32 tensor, ``up`` of another dtype,
+            ``inplace_backward`` not a bool.
+        ValueError: ``up`` of another shape, the tensors on different devices, an unknown ``rounding``.
     """
     check_float_tensor("gate", gate)
     check_float_tensor("up", up)
@@ -780,7 +785,11 @@ def swiglu_packed(gate_up: torch.Tensor, *, rounding: str = "hf", inplace_backwa
             over ``gate_up`` when nothing else can read it again.
 
     Returns:
-        A new contiguous ``[.., I]`` tensor of ``gate_up``'s dtype.
+        Tensor: a new contiguous ``[.., I]`` tensor of ``gate_up``'s dtype.
+
+    Raises:
+        TypeError: ``gate_up`` not a bf16/fp16/fp32 tensor, ``inplace_backward`` not a bool.
+        ValueError: ``gate_up`` a scalar or of an odd width, an unknown ``rounding``.
     """
     check_float_tensor("gate_up", gate_up)
     check_kernel_device(gate_up=gate_up)
