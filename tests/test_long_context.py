@@ -1346,8 +1346,8 @@ def test_a_plan_without_host_memory_does_not_offload_and_one_that_cannot_fit_war
     assert plan.offload_layers == 0 and plan.tiled_gdn and "host memory for checkpoints: none (unknown)" in str(plan)
     tight = lc.plan_long_context(config, 4096, gpu_bytes=1 * GiB, host_bytes=0)
     assert not tight.fits and "no option that helps" in str(tight) and "fits as it is" not in str(tight)
-    for bad in (-1, float("nan"), "139", True):
-        with pytest.raises(ValueError, match="gpu_bytes: expected a number of bytes"):
+    for bad, error in ((-1, ValueError), (float("nan"), ValueError), ("139", TypeError), (True, TypeError)):
+        with pytest.raises(error, match=r"gpu_bytes: expected a finite number of at least 0 \(bytes\)"):
             lc.plan_long_context(config, 4096, gpu_bytes=bad)
     monkeypatch.setattr(lc, "usable_gpu_bytes", lambda device=None: 1.0)  # nothing fits
     with pytest.warns(UserWarning, match=r"long_context=4096: .*does not fit even so"):
@@ -1386,7 +1386,7 @@ def test_the_longest_planned_step_where_nothing_fits_and_bad_arguments():
         lc.longest_planned_step(config, host_bytes=0, multiple=0)
     with pytest.raises(TypeError, match="multiple: expected a positive int"):
         lc.longest_planned_step(config, host_bytes=0, multiple=1024.0)
-    with pytest.raises(ValueError, match="gpu_bytes: expected a number of bytes"):
+    with pytest.raises(ValueError, match="gpu_bytes: expected a finite number of at least 0"):
         lc.longest_planned_step(config, gpu_bytes=-1)
 
 
