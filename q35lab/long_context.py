@@ -69,6 +69,7 @@ __all__ = [
     "restore_decoder_layers",
     "CheckpointOffloader",
     "offloaded_checkpoints",
+    "enable_checkpointing",
     "default_host_reserve",
     "host_memory_available",
     "HOST_RESERVE_BYTES",
@@ -1503,8 +1504,8 @@ def offload_decoder_layers(model: torch.nn.Module, layers: float | int = 1.0, *,
 
     The first layers' inputs are needed last in the backward, so their copies have the longest time
     to complete and to come back. Takes effect while the layers are gradient-checkpointed in train
-    mode (transformers' gradient checkpointing, ``use_reentrant=False``, before or after this call);
-    otherwise the layers run as they are. Calling again updates the count; ``restore_decoder_layers`` undoes it.
+    mode (``enable_checkpointing(model)``, before or after this call); otherwise the layers run as they
+    are. Calling again updates the count; ``restore_decoder_layers`` undoes it.
 
     Args:
         model (nn.Module): a transformers model (or a PEFT wrapper) with decoder layers in a
@@ -1628,6 +1629,31 @@ def default_host_reserve(total_bytes: float | None = None) -> int:
     else:
         total = _memory_bytes(total, "total_bytes")
     return HOST_RESERVE_BYTES if total is None else int(min(HOST_RESERVE_BYTES, total // 4))
+
+
+def enable_checkpointing(model: torch.nn.Module, **checkpoint_kwargs) -> None:
+    """Turn on transformers' gradient checkpointing of every decoder layer, through
+    ``activation_checkpointing_enable`` where the installed release has it (it deprecates
+    ``gradient_checkpointing_enable``), else ``gradient_checkpointing_enable``.
+
+    Args:
+        model (nn.Module): a transformers model, or a PEFT wrapper of one.
+        **checkpoint_kwargs: for ``torch.utils.checkpoint.checkpoint``. Default:
+            ``use_reentrant=False`` (what the offload and the tiles take).
+
+    Raises:
+        TypeError: ``model`` not a transformers model.
+    """
+    check_module("model", model)
+    checkpoint_kwargs = {"use_reentrant": False, **checkpoint_kwargs}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=checkpoint_kwargs)
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
+    else:
+        raise TypeError(f"model: expected a transformers model (with gradient_checkpointing_enable), "
+                        f"got {type(model).__name__}")
 
 
 def _meminfo(field: str) -> int | None:

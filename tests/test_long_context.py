@@ -37,7 +37,7 @@ def _model(dropout=0.0, rank=4, checkpointing=True, targets=MLP_TARGETS, seed=0)
             if "lora_B" in name:
                 p.normal_(0.0, 0.2)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lc.enable_checkpointing(model)
     model.train()
     return model
 
@@ -426,7 +426,7 @@ def test_offloaded_checkpoint_inputs_live_in_distinct_host_copies_and_give_the_s
 
 
 def test_checkpointing_enabled_after_the_offload_and_a_deep_copy_offload_only_checkpoint_inputs():
-    """``gradient_checkpointing_enable`` puts a fresh checkpoint function on every layer (Trainer
+    """Enabling checkpointing puts a fresh checkpoint function on every layer (Trainer
     calls it when training starts, after the user patched): the next forward wraps them again.
     A deep copy offloads with an offloader of its own."""
     B, T, H, L = 1, 9, TEXT["hidden_size"], TEXT["num_hidden_layers"]
@@ -434,7 +434,7 @@ def test_checkpointing_enabled_after_the_offload_and_a_deep_copy_offload_only_ch
     expected = _step(_model(), ids)
     model = _model(checkpointing=False)
     offloader = lc.offload_decoder_layers(model, 1.0, min_bytes=0)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lc.enable_checkpointing(model)
     packs = _record_packs(offloader)
     _assert_same(_step(model, ids), expected)
     empty = _drop_empty(packs)
@@ -730,7 +730,7 @@ def test_apply_to_qwen3_5_long_context_options_same_loss_and_gradients_and_rever
     from tiny_models import causal_lm, loss_and_grads
 
     base = peft.get_peft_model(causal_lm(), peft.LoraConfig(r=4, target_modules=["gate_proj", "up_proj", "down_proj"]))
-    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lc.enable_checkpointing(base)
     base.train()
     with torch.no_grad():
         for name, p in base.named_parameters():
