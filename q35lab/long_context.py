@@ -47,58 +47,39 @@ from dataclasses import dataclass, field
 import torch
 
 from .ops._autograd import first_order_only
+from .ops._checks import check_bool, check_int, check_module, check_real
 from .ops._compile import opaque_to_compile
 from .ops._prepared import shared_preparations
 from .ops.causal_conv1d import causal_conv1d
 from .ops.swiglu import is_unread, unread_down_outputs
 
+# What users call: the planner, and the options by hand (apply_to_qwen3_5 installs them). Every other
+# name (the tiles' engine, the modules' forwards, the memory terms) stays importable for the notebooks
+# and tests, but is not listed here nor by dir().
 __all__ = [
-    "tiled_mlp",
-    "TiledMLPFunction",
-    "TiledMLPForward",
-    "tile_mlp",
-    "untile_mlp",
-    "tile_mlps",
-    "untile_mlps",
-    "MLP_CLASSES",
-    "tiled_gated_delta_net",
-    "TiledGDNFunction",
-    "TiledGDNForward",
-    "tile_gated_delta_net",
-    "untile_gated_delta_net",
-    "tile_gated_delta_nets",
-    "untile_gated_delta_nets",
-    "tiled_gated_delta_net_layer",
-    "TiledGDNLayerFunction",
-    "TiledGDNLayerForward",
-    "is_gated_delta_net_layer",
-    "tile_gated_delta_net_layer",
-    "untile_gated_delta_net_layer",
-    "tile_only_above",
-    "gated_delta_net_problem",
-    "CheckpointOffloader",
-    "offloaded_checkpoints",
-    "offload_decoder_layers",
-    "restore_decoder_layers",
-    "MIN_OFFLOAD_BYTES",
-    "HOST_CHUNK_BYTES",
-    "HOST_RESERVE_BYTES",
-    "default_host_reserve",
-    "host_memory_available",
-    "MemoryModel",
-    "bytes_per_token",
-    "parameter_count",
-    "lora_parameter_count",
-    "plan_offload_layers",
     "plan_long_context",
     "longest_planned_step",
     "LongContextPlan",
-    "expandable_segments",
-    "PLAN_TILES",
     "usable_gpu_bytes",
-    "has_long_context_options",
+    "bytes_per_token",
+    "MemoryModel",
+    "plan_offload_layers",
+    "tile_only_above",
+    "offload_decoder_layers",
+    "restore_decoder_layers",
+    "CheckpointOffloader",
+    "offloaded_checkpoints",
+    "enable_checkpointing",
+    "default_host_reserve",
+    "host_memory_available",
+    "HOST_RESERVE_BYTES",
     "H200_USABLE_BYTES",
 ]
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 GiB = 2**30
 KiB = 2**10
@@ -396,12 +377,7 @@ class TiledGDNFunction(_TiledFunction):
 def _check_tile_tokens(tile_tokens: object, name: str = "tile_tokens", what: str = "tokens per tile",
                        minimum: int = 1) -> int:
     """A count of tokens: an int of at least ``minimum`` (a tile's size and a step's: 1)."""
-    expected = "a positive int" if minimum == 1 else f"an int of at least {minimum}"
-    if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, numbers.Integral):
-        raise TypeError(f"{name}: expected {expected} ({what}), got {tile_tokens!r}")
-    if tile_tokens < minimum:
-        raise ValueError(f"{name}: expected {expected} ({what}), got {tile_tokens}")
-    return int(tile_tokens)
+    return check_int(name, tile_tokens, minimum=minimum, what=what)
 
 
 def _parameters_of(fn) -> list[torch.Tensor] | None:
@@ -1107,14 +1083,24 @@ def untile_gated_delta_net_layer(layer: torch.nn.Module) -> bool:
 
 
 def tile_only_above(model: torch.nn.Module, tokens: int) -> int:
-    """Let every tiled MLP, GatedDeltaNet and decoder layer of ``model`` run untiled in a step of
-    at most ``tokens`` tokens (rows × sequence), tiling only longer ones; 0 tiles every sequence
-    longer than a tile again. How many tiled modules there were.
+    """Let every tiled MLP, GatedDeltaNet and decoder layer of ``model`` run untiled in a step of at
+    most ``tokens`` tokens (rows × sequence), tiling only longer ones.
 
-    Tiles trade launches for memory: in tiles of 8192 tokens a 9B step at 32k costs 1.6% more
-    (H100, a2eda82) for memory it does not need. ``apply_to_qwen3_5(long_context=N)`` sets this to
-    the longest step its plan predicts to fit untiled (``LongContextPlan.untiled_up_to``), so that
-    a mix of short and long rows pays for tiles on the long ones only."""
+    Tiles trade launches for memory; ``apply_to_qwen3_5(long_context=N)`` sets this to the longest
+    step its plan predicts to fit untiled (``LongContextPlan.untiled_up_to``).
+
+    Args:
+        model (nn.Module): a model patched with tiles.
+        tokens (int): the longest step to run untiled; 0 tiles every sequence longer than a tile.
+
+    Returns:
+        int: how many tiled modules there were.
+
+    Raises:
+        TypeError: ``model`` not a module, ``tokens`` not an int.
+        ValueError: ``tokens`` below 0.
+    """
+    check_module("model", model)
     tokens = _check_tile_tokens(tokens, "tokens", "the longest step to run untiled", minimum=0)
     tiled = [forward for m in model.modules() if isinstance(forward := vars(m).get("forward"), _TiledForward)]
     for forward in tiled:
@@ -1167,12 +1153,6 @@ class _HostCopy:
         return sum(c.numel() * c.element_size() for c in self.chunks)
 
 
-def _byte_count(name: str, value: object, expected: str, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name}: expected {expected}, got {value!r}")
-    return int(value)
-
-
 def _parameter_storages(model: torch.nn.Module) -> set[int]:
     """The data pointers of the storages ``model``'s parameters live in. A parameter sharded by
     FSDP2 (``fully_shard``) is a DTensor, which has no storage of its own: its local shard's is
@@ -1191,41 +1171,42 @@ def _parameter_storages(model: torch.nn.Module) -> set[int]:
 class CheckpointOffloader:
     """Saved-tensor hooks that keep large saved tensors in host memory between forward and backward.
 
-    Used around each decoder layer's call (``offload_decoder_layers``), the only tensor they see
-    is the layer's checkpoint input: non-reentrant ``torch.utils.checkpoint`` saves its tensor
-    arguments — transformers passes exactly one, the hidden state ``[B, T, H]`` — under the hooks
-    active at the call, while everything the layer saves inside is caught by the checkpoint's own
-    (innermost) hooks and recomputed. Used around a whole forward (``offloaded_checkpoints``) they
-    see every tensor saved outside a checkpoint (the checkpoint inputs, the final norm's input,
-    the fused loss's dx).
+    Around a decoder layer's checkpoint call (``offload_decoder_layers``) the only tensor they pack
+    is that checkpoint's input, ``[B, T, H]`` (what the layer saves inside is the checkpoint's own
+    and recomputed); around a whole forward (``offloaded_checkpoints``), every tensor saved outside
+    a checkpoint. A tensor of at least ``min_bytes`` that is not a parameter, nor shares memory with
+    one, is copied into pinned host blocks on a side CUDA stream; in backward it comes back on that
+    stream, and the one saved before it is prefetched. On a CPU the copies are plain host tensors.
+    Unpacked tensors are contiguous. ``stats`` counts packed, offloaded (and their bytes), kept,
+    unpacked and prefetched tensors.
 
-    pack (forward): a tensor of at least ``min_bytes`` that is not a parameter (nor a view of one)
-    is copied, on a side CUDA stream that first waits for the compute stream, into pinned host
-    blocks of ``HOST_CHUNK_BYTES``; ``record_stream`` keeps its device memory from being reused
-    before the copy is done, and autograd then holds only the host copy. unpack (backward): the
-    copy comes back on the side stream (or was already prefetched), the compute stream waits for
-    it, and the tensor saved just before it in the same chain (the previous layer's checkpoint
-    input, needed next) is prefetched. On a CPU the copies are plain host tensors (distinct from
-    the originals) and the prefetch is an early assembly, so the logic runs and is tested there.
+    Args:
+        min_bytes (int): smaller tensors stay where they are. Default: ``MIN_OFFLOAD_BYTES``.
+        layers (int, optional): offload in the first this many decoder layers only (set by
+            ``offload_decoder_layers``). Default: None (every layer).
+        prefetch (bool): bring back the tensor saved before the one being unpacked. Default: True.
+        pin_memory (bool, optional): pinned host blocks for a CUDA tensor. Default: None (pinned).
+        chunk_bytes (int): the most bytes of one host block (the pinned allocator rounds a block up
+            to a power of two). Default: ``HOST_CHUNK_BYTES``.
+        host_reserve_bytes (int, optional): host memory an offload leaves free; a copy that would
+            take it raises ``MemoryError``. Default: ``default_host_reserve()``.
 
-    Per token: each offloaded layer moves H·e bytes (8 KiB in the 9B's bf16) to the host, and at
-    most two come back at a time (the layer being recomputed and the next one). Host memory is
-    the limit: 32 layers · 8 KiB · 512k tokens = 128 GiB, all of a 128 GiB host; offload a count
-    that fits (``plan_offload_layers``) and keep the rest on the GPU.
-
-    Unpacked tensors are contiguous (a strided saved tensor loses its strides). ``stats`` counts
-    packed, offloaded (and their bytes), kept, unpacked and prefetched tensors.
+    Raises:
+        TypeError: an argument not of the type above.
+        ValueError: ``min_bytes``, ``layers`` or ``host_reserve_bytes`` below 0, ``chunk_bytes`` below 1.
     """
 
     def __init__(self, *, min_bytes: int = MIN_OFFLOAD_BYTES, layers: int | None = None, prefetch: bool = True,
                  pin_memory: bool | None = None, chunk_bytes: int = HOST_CHUNK_BYTES,
                  host_reserve_bytes: int | None = None):
-        self.min_bytes = _byte_count("min_bytes", min_bytes, "an int ≥ 0")
+        self.min_bytes = check_int("min_bytes", min_bytes, minimum=0, what="bytes")
         if host_reserve_bytes is None:
             host_reserve_bytes = default_host_reserve()
-        self.host_reserve_bytes = _byte_count("host_reserve_bytes", host_reserve_bytes, "an int ≥ 0")
-        self.chunk_bytes = _byte_count("chunk_bytes", chunk_bytes, "a positive int", minimum=1)
-        self.layers, self.prefetch, self.pin_memory = layers, bool(prefetch), pin_memory
+        self.host_reserve_bytes = check_int("host_reserve_bytes", host_reserve_bytes, minimum=0, what="bytes")
+        self.chunk_bytes = check_int("chunk_bytes", chunk_bytes, minimum=1, what="bytes")
+        self.layers = None if layers is None else check_int("layers", layers, minimum=0, what="decoder layers")
+        self.prefetch = check_bool("prefetch", prefetch)
+        self.pin_memory = None if pin_memory is None else check_bool("pin_memory", pin_memory)
         self._reset()
 
     def _reset(self) -> None:
@@ -1402,19 +1383,35 @@ class CheckpointOffloader:
 @contextlib.contextmanager
 def offloaded_checkpoints(model: torch.nn.Module | None = None, *, offloader: CheckpointOffloader | None = None,
                           **settings):
-    """Offload what is saved inside the block (wrap the forward, not the backward)::
+    """Offload what is saved inside the block to host memory (wrap the forward, not the backward)::
 
-        with q35lab.long_context.offloaded_checkpoints() as offloader:
+        with q35lab.long_context.offloaded_checkpoints(model) as offloader:
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
 
-    With the decoder layers checkpointed, what is saved outside their checkpoints is their inputs
-    (one [B, T, H] each), the final norm's input and the loss's saved tensors: everything of at
-    least ``min_bytes`` that is not a parameter (nor shares memory with one of ``model``'s, when
-    given: pass it, so that packed or transposed weights saved by a GEMM stay) goes to the host.
-    ``settings``: those of ``CheckpointOffloader``. For offloading some layers only, and for use
-    without changing the training loop, ``offload_decoder_layers``.
+    With the decoder layers checkpointed, what is saved outside their checkpoints is their inputs,
+    the final norm's input and the loss's saved tensors. ``offload_decoder_layers`` offloads some
+    layers only, without changing the training loop.
+
+    Args:
+        model (nn.Module, optional): whose parameters (and tensors sharing their memory, such as
+            packed weights saved by a GEMM) are never offloaded. Default: None.
+        offloader (CheckpointOffloader, optional): the hooks to use. Default: a new one.
+        **settings: ``CheckpointOffloader``'s arguments, for a new one.
+
+    Yields:
+        CheckpointOffloader: the hooks in use (``stats`` counts what moved).
+
+    Raises:
+        TypeError: ``model`` not a module, ``offloader`` not a ``CheckpointOffloader``, a setting
+            with an offloader given.
     """
+    if model is not None:
+        check_module("model", model)
+    if offloader is not None and not isinstance(offloader, CheckpointOffloader):
+        raise TypeError(f"offloader: expected a CheckpointOffloader or None, got {type(offloader).__name__}")
+    if offloader is not None and settings:
+        raise TypeError(f"{', '.join(settings)}: settings of a new CheckpointOffloader, not with offloader")
     offloader = offloader if offloader is not None else CheckpointOffloader(**settings)
     if model is not None:
         offloader.exclude_parameters_of(model)
@@ -1503,30 +1500,40 @@ def _guards(stack: torch.nn.Module) -> dict:
 
 def offload_decoder_layers(model: torch.nn.Module, layers: float | int = 1.0, *,
                            offloader: CheckpointOffloader | None = None, **settings) -> CheckpointOffloader:
-    """Offload the checkpoint inputs of the first ``layers`` decoder layers to host memory.
+    """Offload the gradient-checkpoint inputs of the first ``layers`` decoder layers to host memory.
 
-    ``layers``: a fraction of the decoder layers (float in [0, 1]) or a count (int). The first
-    layers are chosen: their inputs are needed last in the backward, so their copies have the
-    longest time to complete and to be prefetched. Takes effect while the layers are
-    gradient-checkpointed in train mode (transformers' ``gradient_checkpointing_enable`` with
-    ``use_reentrant=False``, before or after this call); otherwise the layers run as they are.
-    Returns the offloader (its ``stats`` count what moved). Calling again updates the count.
+    The first layers' inputs are needed last in the backward, so their copies have the longest time
+    to complete and to come back. Takes effect while the layers are gradient-checkpointed in train
+    mode (``enable_checkpointing(model)``, before or after this call); otherwise the layers run as they
+    are. Calling again updates the count; ``restore_decoder_layers`` undoes it.
+
+    Args:
+        model (nn.Module): a transformers model (or a PEFT wrapper) with decoder layers in a
+            ``layers`` list.
+        layers (float or int): a fraction of the decoder layers in [0, 1], or a count. Default: 1.0.
+        offloader (CheckpointOffloader, optional): the hooks to use. Default: the model's current
+            one, else a new one.
+        **settings: ``CheckpointOffloader``'s arguments, for a new one.
+
+    Returns:
+        CheckpointOffloader: the hooks in use (``stats`` counts what moved).
+
+    Raises:
+        TypeError: ``model`` not a module, ``layers`` not a number, ``offloader`` not a
+            ``CheckpointOffloader``, a setting with an offloader given.
+        ValueError: ``layers`` out of range, a model without decoder layers.
     """
+    check_module("model", model)
     stacks = _layer_stacks(model)
     found = [layer for stack in stacks for layer in _stack_layers(stack)]
-    if isinstance(layers, bool) or not isinstance(layers, numbers.Real):
-        raise TypeError(f"layers: expected a fraction (float in [0, 1]) or a count (int), got {layers!r}")
-    if isinstance(layers, numbers.Integral):
-        if not 0 <= layers <= len(found):
-            raise ValueError(f"layers: expected a count in [0, {len(found)}], got {layers}")
-        count = int(layers)
-    else:
-        if not 0.0 <= layers <= 1.0:
-            raise ValueError(f"layers: expected a fraction in [0, 1], got {layers}")
-        count = round(layers * len(found))
+    count = _layer_count("layers", layers, len(found))
     if not stacks:
         raise ValueError(f"model: expected a transformers model with decoder layers in a `layers` list, "
                          f"got {type(model).__name__}")
+    if offloader is not None and not isinstance(offloader, CheckpointOffloader):
+        raise TypeError(f"offloader: expected a CheckpointOffloader or None, got {type(offloader).__name__}")
+    if offloader is not None and settings:
+        raise TypeError(f"{', '.join(settings)}: settings of a new CheckpointOffloader, not with offloader")
     if offloader is None:
         existing = [hook.offloader for stack in stacks for hook in _guards(stack).values()]
         offloader = existing[0] if existing and not settings else CheckpointOffloader(**settings)
@@ -1540,8 +1547,38 @@ def offload_decoder_layers(model: torch.nn.Module, layers: float | int = 1.0, *,
     return offloader
 
 
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [layer for stack in _layer_stacks(model) for layer in _stack_layers(stack)]
+
+
+def _layer_count(name: str, value: object, available: int) -> int:
+    """How many of ``available`` decoder layers ``value`` asks for: a fraction (a float in [0, 1]) or
+    a count (an int in [0, available]); ``TypeError`` / ``ValueError`` naming ``name`` else."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a fraction of the decoder layers (a float in [0, 1]) or a count (an int), "
+                        f"got {value!r}")
+    if isinstance(value, numbers.Integral):
+        if not 0 <= value <= available:
+            raise ValueError(f"{name}: expected a count in [0, {available}] (the model's decoder layers), got {value}")
+        return int(value)
+    if not 0.0 <= value <= 1.0:  # also refuses NaN
+        raise ValueError(f"{name}: expected a fraction in [0, 1] of the decoder layers, got {value}")
+    return round(value * available)
+
+
 def restore_decoder_layers(model: torch.nn.Module) -> int:
-    """Undo ``offload_decoder_layers``; how many decoder layers were restored."""
+    """Undo ``offload_decoder_layers``.
+
+    Args:
+        model (nn.Module): the model it was given.
+
+    Returns:
+        int: how many decoder layers were restored.
+
+    Raises:
+        TypeError: ``model`` not a module.
+    """
+    check_module("model", model)
     restored = 0
     for stack in _layer_stacks(model):
         guarded = remove_stack_pre_hooks(stack, _OffloadGuard)
@@ -1554,8 +1591,12 @@ def restore_decoder_layers(model: torch.nn.Module) -> int:
 
 
 def host_memory_available() -> int | None:
-    """Bytes of host memory this process may still take: MemAvailable (/proc/meminfo), capped by
-    the cgroup's limit minus its usage where one is set (a container). None where unknown."""
+    """The bytes of host memory this process may still take: ``MemAvailable`` (/proc/meminfo),
+    capped by the cgroup's limit minus its usage where one is set (a container).
+
+    Returns:
+        int or None: the bytes, None where unknown.
+    """
     available = _meminfo("MemAvailable")
     limit = _cgroup_limit_and_usage()
     if limit is not None:
@@ -1565,17 +1606,54 @@ def host_memory_available() -> int | None:
 
 
 def default_host_reserve(total_bytes: float | None = None) -> int:
-    """The host memory an offload leaves free by default on a host of ``total_bytes``:
-    ``HOST_RESERVE_BYTES``, or a quarter of the host where that is less — a 12.7 GiB Colab host
-    keeps 3.2 GiB, not more than it has to spare. ``total_bytes``: by default this host's memory
-    (MemTotal, or the cgroup's limit; where unknown, the reserve is ``HOST_RESERVE_BYTES``)."""
+    """The host memory an offload leaves free by default: ``HOST_RESERVE_BYTES``, or a quarter of
+    the host where that is less.
+
+    Args:
+        total_bytes (float, optional): the host's memory. Default: this host's (``MemTotal``, or
+            the cgroup's limit); where unknown, the reserve is ``HOST_RESERVE_BYTES``.
+
+    Returns:
+        int: the bytes to leave free.
+
+    Raises:
+        TypeError: ``total_bytes`` not a number.
+        ValueError: ``total_bytes`` negative or not finite.
+    """
     total = total_bytes
     if total is None:
         total = _meminfo("MemTotal")
         limit = _cgroup_limit_and_usage()
         if limit is not None:
             total = limit[0] if total is None else min(total, limit[0])
-    return HOST_RESERVE_BYTES if total is None else min(HOST_RESERVE_BYTES, total // 4)
+    else:
+        total = _memory_bytes(total, "total_bytes")
+    return HOST_RESERVE_BYTES if total is None else int(min(HOST_RESERVE_BYTES, total // 4))
+
+
+def enable_checkpointing(model: torch.nn.Module, **checkpoint_kwargs) -> None:
+    """Turn on transformers' gradient checkpointing of every decoder layer, through
+    ``activation_checkpointing_enable`` where the installed release has it (it deprecates
+    ``gradient_checkpointing_enable``), else ``gradient_checkpointing_enable``.
+
+    Args:
+        model (nn.Module): a transformers model, or a PEFT wrapper of one.
+        **checkpoint_kwargs: for ``torch.utils.checkpoint.checkpoint``. Default:
+            ``use_reentrant=False`` (what the offload and the tiles take).
+
+    Raises:
+        TypeError: ``model`` not a transformers model.
+    """
+    check_module("model", model)
+    checkpoint_kwargs = {"use_reentrant": False, **checkpoint_kwargs}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=checkpoint_kwargs)
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
+    else:
+        raise TypeError(f"model: expected a transformers model (with gradient_checkpointing_enable), "
+                        f"got {type(model).__name__}")
 
 
 def _meminfo(field: str) -> int | None:
@@ -1644,8 +1722,22 @@ class _Dims:
         return 2 * self.key_dim + self.value_dim
 
 
+#: What the memory model reads of a config (a dense Qwen3.5 text config has them all).
+_CONFIG_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size", "num_attention_heads",
+                  "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                  "linear_value_head_dim", "linear_conv_kernel_dim")
+
+
 def _dims(config) -> _Dims:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "num_experts", None):
+        raise NotImplementedError(
+            f"config: expected a dense Qwen3.5 config, got a MoE one ({type(text).__name__}): the memory model does "
+            "not cover routed experts; pass tiled_mlp, tiled_gdn and offload_checkpoints to apply_to_qwen3_5 yourself")
+    missing = [name for name in _CONFIG_FIELDS if getattr(text, name, None) is None]
+    if missing:
+        raise TypeError(f"config: expected a dense Qwen3.5 config (transformers' Qwen3_5TextConfig, or a config "
+                        f"holding one), got {type(config).__name__} without {', '.join(missing)}")
     L = text.num_hidden_layers
     layer_types = tuple(getattr(text, "layer_types", None) or ["full_attention"] * L)[:L]
     rope = getattr(text, "rope_parameters", None) or {}
@@ -1667,7 +1759,8 @@ def _linears(d: _Dims) -> dict[str, list[tuple[int, int]]]:
 
 
 def parameter_count(config) -> int:
-    """Parameters of a dense Qwen3.5 text model (embeddings, head unless tied, every layer)."""
+    """Parameters of a dense Qwen3.5 text model (embeddings, head unless tied, every layer) of
+    ``config``, a ``Qwen3_5TextConfig`` or a config holding one."""
     d = _dims(config)
     lin = _linears(d)
     count = d.V * d.H * (1 if d.tied else 2) + d.H  # embeddings, lm_head, final norm
@@ -1683,6 +1776,9 @@ def parameter_count(config) -> int:
 def lora_parameter_count(config, rank: int = 16, targets: str | tuple = "all-linear") -> int:
     """LoRA parameters, r·(in + out) per adapted linear of every layer ("all-linear": each of
     them, lm_head excluded, as PEFT; or a tuple of projection kinds: "mlp", "mixer")."""
+    rank = check_int("rank", rank, minimum=0, what="the LoRA rank")
+    if targets != "all-linear" and (isinstance(targets, str) or not set(targets) <= {"mlp", "mixer"}):
+        raise ValueError(f"targets: expected 'all-linear' or a tuple of 'mlp' and 'mixer', got {targets!r}")
     d = _dims(config)
     lin = _linears(d)
     kinds = ("mlp", "mixer") if targets == "all-linear" else tuple(targets)
@@ -1796,9 +1892,17 @@ def _phase_terms(d: _Dims, e: int, r: int, tiled: bool, gdn_tile: int | None = N
 
 @dataclass
 class MemoryModel:
-    """The predicted peak of a LoRA training step: ``fixed + T · per_token`` bytes on the GPU and
-    ``T · host_per_token`` in host memory. ``terms``: per-token bytes at the peak phase, by name;
-    ``phases``: each phase's per-token total; ``fixed``: the constant terms, by name."""
+    """The predicted peak of a LoRA training step, made by ``bytes_per_token``: ``fixed + T · per_token``
+    bytes on the GPU and ``T · host_per_token`` in host memory.
+
+    Attributes:
+        terms (dict): per-token bytes at the peak phase, by name.
+        phase (str): the phase of one layer's backward (or the loss) where the peak falls.
+        phases (dict): each phase's per-token bytes.
+        fixed (dict): the constant bytes, by name (weights, adapters and optimizer, slack, tiles).
+        host_per_token (float): host bytes a token for the offloaded checkpoints.
+        offloaded_layers (int): the decoder layers whose checkpoints are offloaded, of ``layers``.
+    """
 
     terms: dict
     phase: str
@@ -1818,12 +1922,21 @@ class MemoryModel:
         return float(sum(self.fixed.values()))
 
     def peak(self, tokens: int) -> float:
-        return self.fixed_bytes + tokens * self.per_token
+        """The predicted peak bytes of a step of ``tokens`` tokens."""
+        return self.fixed_bytes + check_real("tokens", tokens, minimum=0) * self.per_token
 
     def longest_fit(self, gpu_bytes: float = H200_USABLE_BYTES, host_bytes: float | None = None,
                     multiple: int = 1024) -> int:
-        """The most tokens (a multiple of ``multiple``) whose peak fits ``gpu_bytes`` and whose
-        host copies fit ``host_bytes`` (if given)."""
+        """The most tokens, a multiple of ``multiple``, whose peak fits ``gpu_bytes`` and whose host
+        copies fit ``host_bytes`` (if given); 0 where none do.
+
+        Raises:
+            TypeError: an argument not a number (``multiple`` not an int).
+            ValueError: a negative or infinite number of bytes, ``multiple`` below 1.
+        """
+        gpu_bytes = _memory_bytes(gpu_bytes, "gpu_bytes")
+        host_bytes = None if host_bytes is None else _memory_bytes(host_bytes, "host_bytes")
+        multiple = check_int("multiple", multiple, minimum=1, what="tokens")
         tokens = (gpu_bytes - self.fixed_bytes) / self.per_token
         if host_bytes is not None and self.host_per_token:
             tokens = min(tokens, host_bytes / self.host_per_token)
@@ -1846,55 +1959,68 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
                     adapter_bytes: int = 4, batch: int = 1, loss_chunk_bytes: int | None = None,
                     slack_bytes: float = 2 * GiB, mlp_keeps_h: bool = False,
                     other_trainable_parameters: int = 0, gdn_whole_layer: bool = True) -> MemoryModel:
-    """Predict the peak's slope (bytes per token) of a Qwen3.5 LoRA step under gradient
-    checkpointing, term by term, and its constant part.
+    """Predict the peak of a Qwen3.5 LoRA step under gradient checkpointing: its slope (bytes a
+    token), term by term, and its constant part.
 
-    Per token (e = ``dtype_bytes``; the 9B: H = 4096, I = 12288, 32 layers, 24 GatedDeltaNets):
+    Per token (e = ``dtype_bytes``): the checkpoint inputs on the GPU at the peak (L·H·e, or with k
+    layers offloaded max(L − k, 2)·H·e), the residual stream's gradients (3·H·e), token ids,
+    labels, positions and RoPE, and the largest phase: one layer's backward working set (the MLP's,
+    the GatedDeltaNet's or the attention's, by ``_phase_terms``; a tiled one keeps its input and dx,
+    2·H·e, and its carries) or the loss at the end of the forward. Constant: the weights, the
+    adapters with their gradients and AdamW's two fp32 moments, one chunk of the fused loss's
+    logits, one tile's working set where tiled, and ``slack_bytes``.
 
-    * ``checkpoint inputs``: one [T, H] per decoder layer on the GPU at the peak — L·H·e, or with
-      k layers offloaded max(L − k, 2)·H·e (the peak is the last layer's backward, with every kept
-      checkpoint still there; with all offloaded, the one being recomputed and the one prefetched);
-    * ``residual-stream gradients``: 3·H·e (the layer output's gradient, the branch's dx, the sum);
-    * ``token ids, labels, positions, RoPE``: 8 + 8 + 32 + 2·rotary·e;
-    * one layer's backward working set, the largest phase of ``_phase_terms``: the MLP's backward
-      (the mixer's saved tensors are alive then, the whole layer having been recomputed), the
-      GatedDeltaNet's or the attention's backward; tiled, the MLP's or the GatedDeltaNet's keeps
-      only its input and its dx per token (2·H·e), the GatedDeltaNet's decoder layer tiled whole
-      likewise, one phase; and every tiled layer holds its carries from forward to backward (the
-      fp32 state and K−1 conv rows, 2.05 MiB a tile at 9B: 24 × 262 B a token at 8192-token tiles);
-    * the loss phase (end of forward: every checkpoint, the final norm's input, its output and the
-      fused loss's dx, 3·H·e) is compared too; it is never the largest here.
+    Args:
+        config: a dense Qwen3.5 text config (``Qwen3_5TextConfig``, or a config holding one).
+        tiled_mlp_tokens (int, optional): the MLP's tile. Default: None (untiled).
+        tiled_gdn_tokens (int, optional): the GatedDeltaNet decoder layer's tile. Default: None.
+        offload (bool, float or int): the decoder layers whose checkpoints are in host memory: all
+            (True), none (False), a fraction in [0, 1] or a count. Default: False.
+        lora_rank (int): the adapters' rank, on every linear layer. Default: 16.
+        dtype_bytes (int): bytes of an activation. Default: 2 (bf16).
+        weight_bytes (int, optional): bytes of a frozen weight. Default: ``dtype_bytes``.
+        adapter_bytes (int): bytes of an adapter's parameter. Default: 4 (fp32).
+        batch (int): the step's rows, each of the tokens a step is planned for. Default: 1.
+        loss_chunk_bytes (int, optional): one chunk of the loss's logits.
+            Default: ``ops.linear_cross_entropy.CHUNK_BYTES``.
+        slack_bytes (float): cuBLAS workspaces, allocator rounding. Default: 2 GiB.
+        mlp_keeps_h (bool): the MLP's down projection runs its own forward and keeps the SwiGLU
+            output (where its adapter has dropout or a hook watches it). Default: False.
+        other_trainable_parameters (int): parameters that train besides the adapters
+            (``modules_to_save``, a full fine-tune), each with a gradient and two AdamW moments. Default: 0.
+        gdn_whole_layer (bool): the tiled GatedDeltaNet computes its whole decoder layer in each tile
+            (False: the GatedDeltaNet alone). Default: True.
 
-    Constant: the weights (``parameter_count``·weight_bytes), the LoRA adapters with their
-    gradients and AdamW's two fp32 moments (``lora_parameter_count``·(2·adapter_bytes + 8)), the
-    fused loss's logits chunk, one MLP tile's working set when tiled (tile·(H + 3I)·e), one
-    GatedDeltaNet layer tile's when tiled (tile · the GatedDeltaNet's untiled per-token terms, saved
-    and backward, the norms' inputs and the MLP's untiled terms; two carries: the one it hands on
-    and its gradient; and the conv's input, (tile + K − 1) · conv_dim · e, a new buffer after the
-    first tile), and ``slack_bytes`` (cuBLAS workspaces,
-    allocator rounding). ``offload``: True (every layer), a fraction or a count of layers; host
-    memory then holds k·H·e per token. ``mlp_keeps_h``: the MLP's down projection runs its own
-    forward and so keeps the SwiGLU output (I·e a token, and a tile's (H + 4I)·e when tiled) — where
-    its adapter has dropout or a hook watches it, and in q35lab before ``swiglu_down`` (the H200
-    measurements up to commit 38249b1, whose MLP backward also allocated fresh dgate and dup, 2I·e
-    more, which no setting here counts). ``gdn_whole_layer=False``: the GatedDeltaNet tiled alone, as
-    ``tiled_gdn`` did before 2026-12-06 (``_phase_terms``). ``other_trainable_parameters``:
-    parameters that train besides the adapters (PEFT's ``modules_to_save``, a full fine-tune),
-    each with a gradient of ``weight_bytes`` and AdamW's two fp32 moments.
+    Returns:
+        MemoryModel: the terms; its ``peak(T)`` and ``longest_fit(gpu_bytes)`` read them.
+
+    Raises:
+        TypeError: ``config`` not a dense Qwen3.5 config, an argument not of the type above.
+        ValueError: an argument out of range.
+        NotImplementedError: a MoE config.
     """
     d = _dims(config)
-    e, r = int(dtype_bytes), int(lora_rank)
-    weight_bytes = e if weight_bytes is None else weight_bytes
+    e = check_int("dtype_bytes", dtype_bytes, minimum=1, what="bytes of an activation")
+    r = check_int("lora_rank", lora_rank, minimum=0, what="the adapters' rank")
+    weight_bytes = e if weight_bytes is None else check_int("weight_bytes", weight_bytes, minimum=1,
+                                                            what="bytes of a weight")
+    adapter_bytes = check_int("adapter_bytes", adapter_bytes, minimum=1, what="bytes of an adapter's parameter")
+    batch = check_int("batch", batch, minimum=1, what="rows")
+    if loss_chunk_bytes is not None:
+        loss_chunk_bytes = check_int("loss_chunk_bytes", loss_chunk_bytes, minimum=0, what="bytes")
+    slack_bytes = _memory_bytes(slack_bytes, "slack_bytes")
+    check_bool("mlp_keeps_h", mlp_keeps_h)
+    check_bool("gdn_whole_layer", gdn_whole_layer)
+    other_trainable_parameters = check_int("other_trainable_parameters", other_trainable_parameters, minimum=0,
+                                           what="parameters")
+    if tiled_mlp_tokens is not None:
+        tiled_mlp_tokens = _check_tile_tokens(tiled_mlp_tokens, "tiled_mlp_tokens")
     if offload is True:
         k = d.L
     elif offload is False or offload is None:
         k = 0
-    elif isinstance(offload, numbers.Integral):
-        k = int(offload)
     else:
-        k = round(float(offload) * d.L)
-    if not 0 <= k <= d.L:
-        raise ValueError(f"offload: expected at most {d.L} layers, got {offload!r}")
+        k = _layer_count("offload", offload, d.L)
     on_gpu = d.L if k == 0 else max(d.L - k, min(2, d.L))
     common = {
         f"checkpoint inputs ({on_gpu} of {d.L} layers on the GPU)": on_gpu * d.H * e,
@@ -1954,12 +2080,30 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
 def plan_offload_layers(config, tokens: int, *, gpu_bytes: float = H200_USABLE_BYTES,
                         host_bytes: float | None = None, host_reserve_bytes: float = HOST_RESERVE_BYTES,
                         **model_settings) -> tuple[int, bool]:
-    """The fewest decoder layers to offload for ``tokens`` to fit ``gpu_bytes``, within the host
-    memory (``host_bytes``, default ``host_memory_available()``, less ``host_reserve_bytes`` for
-    the process, the data and the OS). Returns (layers, whether the step is predicted to fit)."""
+    """The fewest decoder layers to offload for a step of ``tokens`` to fit ``gpu_bytes``, within the
+    host memory.
+
+    Args:
+        config: a dense Qwen3.5 text config.
+        tokens (int): the step's tokens (a row's).
+        gpu_bytes (float): the GPU memory the step may use. Default: ``H200_USABLE_BYTES``.
+        host_bytes (float, optional): the host memory free. Default: ``host_memory_available()``
+            (where unknown, no limit).
+        host_reserve_bytes (float): of that, what the offload leaves free. Default: ``HOST_RESERVE_BYTES``.
+        **model_settings: ``bytes_per_token``'s other arguments.
+
+    Returns:
+        tuple[int, bool]: the layers, and whether the step is predicted to fit.
+
+    Raises:
+        TypeError, ValueError, NotImplementedError: as ``plan_long_context``.
+    """
+    tokens = _check_tile_tokens(tokens, "tokens", "the step's tokens")
+    gpu_bytes = _memory_bytes(gpu_bytes, "gpu_bytes")
+    host_reserve_bytes = _memory_bytes(host_reserve_bytes, "host_reserve_bytes")
     if host_bytes is None:
         host_bytes = host_memory_available()
-    room = math.inf if host_bytes is None else max(0.0, host_bytes - host_reserve_bytes)
+    room = math.inf if host_bytes is None else max(0.0, _memory_bytes(host_bytes, "host_bytes") - host_reserve_bytes)
     layers = _dims(config).L
     for k in range(layers + 1):
         model = bytes_per_token(config, offload=k, **model_settings)
@@ -1977,11 +2121,16 @@ PLAN_TILES = tuple(2**k for k in range(20, 11, -1))
 
 @dataclass(frozen=True)
 class LongContextPlan:
-    """What ``plan_long_context`` chose for a step of ``tokens``: the tiles (None: untiled), the
-    decoder layers whose checkpoint inputs go to host memory, and the memory model's prediction
-    for that choice (``model.peak(tokens)`` against ``gpu_bytes``). ``untiled_up_to``: where the
-    plan tiles, the longest step (a multiple of 1024 tokens) predicted to fit untiled with the
-    plan's offload, which ``apply_to_qwen3_5`` runs untiled (``tile_only_above``); else 0."""
+    """What ``plan_long_context`` chose for a step of ``tokens``; ``print`` it for a summary.
+
+    Attributes:
+        tiled_mlp, tiled_gdn (int or None): the tiles (None: untiled).
+        offload_layers (int): the decoder layers whose checkpoint inputs go to host memory.
+        fits (bool): whether the step is predicted to fit with these options.
+        model (MemoryModel): the prediction for them (``model.peak(tokens)`` against ``gpu_bytes``).
+        untiled_up_to (int): where the plan tiles, the longest step (a multiple of 1024 tokens)
+            predicted to fit untiled with the plan's offload; else 0.
+    """
 
     tokens: int
     tiled_mlp: int | None
@@ -2010,8 +2159,7 @@ class LongContextPlan:
         host = f"{self.tokens * self.model.host_per_token / GiB:.1f} GiB" if self.host_known else "none (unknown)"
         advice = ""
         if (self.offload_layers or self.tiled_mlp or self.tiled_gdn) and not self.expandable_segments:
-            # measured: the H100's all-three search ran out at 389,120 tokens asking 11.90 GiB with 55.58 GiB
-            # allocated of 78.14 usable, 11.00 GiB reserved but unallocated in smaller blocks (ffbcd4d)
+            # without expandable segments, free memory stranded in smaller blocks has ended long steps early
             advice = ("; the allocator's fragmentation may end such a step below the prediction: set "
                       "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before CUDA starts")
         return (f"planned for {self.tokens:,} tokens: {chosen}; predicted peak "
@@ -2028,26 +2176,34 @@ def expandable_segments() -> bool:
 
 def plan_long_context(config, tokens: int, *, gpu_bytes: float = H200_USABLE_BYTES, host_bytes: float | None = None,
                       host_reserve_bytes: float | None = None, **model_settings) -> LongContextPlan:
-    """The cheapest long-context options under which a step of ``tokens`` (one row) is predicted to
-    fit ``gpu_bytes``, by ``bytes_per_token``.
+    """The cheapest long-context options under which a step of ``tokens`` is predicted to fit
+    ``gpu_bytes``, by ``bytes_per_token``.
 
-    The options are added in the order of what each cost a 9B step at 32k on the H200 (963ed32):
-    the checkpoint offload (+0.07%: copies on a side stream) with the fewest layers that fit, then
-    the tiled MLP (+1.1%: its recompute skips the down GEMM), then the tiled GatedDeltaNet as
-    well, at one tile size for both (+10.9% when it ran one GatedDeltaNet forward more; tiled with
-    its whole decoder layer, +1.6% on an H100, a2eda82). The tile is the largest of
-    ``PLAN_TILES`` shorter than ``tokens`` that fits: a tile costs the same recompute whatever its
-    size, and larger tiles are fewer launches. (At
-    Qwen3.5's own sizes the GatedDeltaNet's backward is the peak, so the MLP alone never helps and
-    a plan that tiles tiles both.) A step that fits as it is gets nothing. Where nothing fits, the
-    most frugal plan (the smallest tiles, every layer the host holds) with ``fits=False``.
+    Options are added cheapest first: none where the step fits as it is; else the checkpoint offload
+    of the fewest layers that fit; else also the tiled MLP, then the tiled GatedDeltaNet, at the
+    largest tile of ``PLAN_TILES`` below ``tokens`` that fits. Where nothing fits, the most frugal
+    plan, with ``fits=False``. A plan serves every shorter step too: a module tiles only a sequence
+    longer than its tile, and ``apply_to_qwen3_5`` runs steps up to ``untiled_up_to`` untiled.
 
-    ``host_bytes``: the host memory the offload may take (default ``host_memory_available()``;
-    where that is unknown, none: the plan does not offload), less ``host_reserve_bytes`` (default
-    ``default_host_reserve()``, as the offload itself keeps free).
+    Args:
+        config: a dense Qwen3.5 text config (``Qwen3_5TextConfig``, or a config holding one).
+        tokens (int): the longest step's tokens (one row).
+        gpu_bytes (float): the GPU memory the step may use. Default: ``H200_USABLE_BYTES``
+            (``usable_gpu_bytes(device)`` gives a device's).
+        host_bytes (float, optional): the host memory the offload may take. Default:
+            ``host_memory_available()``; where that is unknown, the plan does not offload.
+        host_reserve_bytes (float, optional): of ``host_bytes``, what the offload leaves free.
+            Default: ``default_host_reserve()``.
+        **model_settings: ``bytes_per_token``'s arguments (``lora_rank``, ``dtype_bytes``, ...).
 
-    A plan made for the longest step also serves shorter ones: a module tiles only a sequence
-    longer than its tile, so a step at most one tile long runs untiled and pays only the offload.
+    Returns:
+        LongContextPlan: the options, and the prediction; ``options()`` gives them as
+        ``apply_to_qwen3_5``'s arguments.
+
+    Raises:
+        TypeError: ``config`` not a dense Qwen3.5 config, an argument not a number (``tokens`` not an int).
+        ValueError: ``tokens`` below 1, a number of bytes negative or not finite.
+        NotImplementedError: a MoE config.
     """
     tokens = _check_tile_tokens(tokens, "tokens", "the longest step's tokens")
     gpu_bytes = _memory_bytes(gpu_bytes, "gpu_bytes")
@@ -2057,6 +2213,7 @@ def plan_long_context(config, tokens: int, *, gpu_bytes: float = H200_USABLE_BYT
     host_bytes = 0.0 if host_bytes is None else _memory_bytes(host_bytes, "host_bytes")
     if host_reserve_bytes is None:
         host_reserve_bytes = default_host_reserve()
+    host_reserve_bytes = _memory_bytes(host_reserve_bytes, "host_reserve_bytes")
     tiles = [tile for tile in PLAN_TILES if tile < tokens]
     attempts = [{}] + [{"tiled_mlp_tokens": tile} for tile in tiles]
     if "linear_attention" in _dims(config).layer_types:
@@ -2079,24 +2236,38 @@ def plan_long_context(config, tokens: int, *, gpu_bytes: float = H200_USABLE_BYT
 def longest_planned_step(config, *, gpu_bytes: float = H200_USABLE_BYTES, host_bytes: float | None = None,
                          host_reserve_bytes: float | None = None, multiple: int = 1024,
                          **model_settings) -> LongContextPlan:
-    """The plan for the longest step (a multiple of ``multiple`` tokens) that ``plan_long_context``
-    predicts to fit ``gpu_bytes`` with the host memory given (the same arguments as there): the
-    question a long-context user asks first, "how long can I train here?". Where not even
-    ``multiple`` tokens fit, that plan, with ``fits=False``.
+    """The plan for the longest step, a multiple of ``multiple`` tokens, that ``plan_long_context``
+    predicts to fit: how long a step can train here.
 
-    Found by doubling from the longest step that fits untiled, then bisection, which takes "fits"
-    to hold for every step shorter than one that fits (the longer step's options serve it, with
-    less memory). The host memory is read once, so that every candidate is planned against the same."""
+    Found by doubling, then bisection: a step shorter than one that fits is taken to fit too. The
+    host memory is read once, so that every candidate is planned against the same.
+
+    Args:
+        config, gpu_bytes, host_bytes, host_reserve_bytes, **model_settings: as for ``plan_long_context``.
+        multiple (int): the step's granularity in tokens. Default: 1024.
+
+    Returns:
+        LongContextPlan: that step's plan; where not even ``multiple`` tokens fit, theirs, with ``fits=False``.
+
+    Raises:
+        TypeError, ValueError, NotImplementedError: as ``plan_long_context``; ``multiple`` not an int
+            (``TypeError``) or below 1 (``ValueError``).
+    """
     multiple = _check_tile_tokens(multiple, "multiple", "the step's granularity in tokens")
+    gpu_bytes = _memory_bytes(gpu_bytes, "gpu_bytes")
     if host_bytes is None:
         host_bytes = host_memory_available()
+    if host_bytes is not None:
+        host_bytes = _memory_bytes(host_bytes, "host_bytes")
+    if host_reserve_bytes is not None:
+        host_reserve_bytes = _memory_bytes(host_reserve_bytes, "host_reserve_bytes")
+    _dims(config)
     settings = dict(gpu_bytes=gpu_bytes, host_bytes=host_bytes, host_reserve_bytes=host_reserve_bytes, **model_settings)
 
     def plan(units: int) -> LongContextPlan:  # a step of `units` multiples
         return plan_long_context(config, units * multiple, **settings)
 
-    lo = max(1, bytes_per_token(config, **model_settings).longest_fit(_memory_bytes(gpu_bytes, "gpu_bytes"),
-                                                                      multiple=multiple) // multiple)
+    lo = max(1, bytes_per_token(config, **model_settings).longest_fit(gpu_bytes, multiple=multiple) // multiple)
     if not plan(lo).fits:
         return plan(1)
     hi = 2 * lo
@@ -2110,9 +2281,7 @@ def longest_planned_step(config, *, gpu_bytes: float = H200_USABLE_BYTES, host_b
 
 def _memory_bytes(value: object, name: str) -> float:
     """A memory size in bytes: a finite real number, not below zero."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= float(value) < math.inf:
-        raise ValueError(f"{name}: expected a number of bytes (finite, at least 0), got {value!r}")
-    return float(value)
+    return check_real(name, value, minimum=0, what="bytes")
 
 
 def has_long_context_options(model: torch.nn.Module) -> bool:
@@ -2125,10 +2294,23 @@ def has_long_context_options(model: torch.nn.Module) -> bool:
 
 
 def usable_gpu_bytes(device: torch.device | str | None = None) -> float:
-    """The memory a step on ``device`` may use, as ``plan_long_context`` counts it: on a CUDA
-    device the memory still free plus what this process's allocator holds already (the model's
-    weights are in it, and the plan counts them); elsewhere an H200's (``H200_USABLE_BYTES``: a
-    model on the CPU is planned for the reference GPU)."""
+    """The memory a step on ``device`` may use, as ``plan_long_context`` counts it.
+
+    Args:
+        device (torch.device, str or int, optional): on a CUDA device, the memory still free plus what
+            this process's allocator holds already (the model's weights are in it, and the plan
+            counts them); elsewhere an H200's (a model on the CPU is planned for the reference GPU).
+            Default: the CPU.
+
+    Returns:
+        float: the bytes.
+
+    Raises:
+        TypeError: ``device`` not a device, a string or an index.
+        RuntimeError: an unknown device string (PyTorch's error).
+    """
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int, type(None))):
+        raise TypeError(f"device: expected a torch.device, a string such as 'cuda' or None, got {device!r}")
     device = torch.device("cpu" if device is None else device)
     if device.type != "cuda":
         return float(H200_USABLE_BYTES)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .ops._checks import check_real
+
 #: Absolute slack per dtype, for outputs whose reference happens to be (nearly) exact.
 ATOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2, torch.float64: 1e-12}
 
@@ -50,7 +52,28 @@ def scaled_atol(exact: torch.Tensor, dtype: torch.dtype) -> float:
 
 
 def compare(name: str, out: torch.Tensor, ref: torch.Tensor, ref64: torch.Tensor, atol: float | None = None) -> Comparison:
-    """Apply the rule to ``out`` (the kernel), ``ref`` (same dtype) and ``ref64`` (fp64)."""
+    """Apply the rule to ``out`` (the kernel), ``ref`` (same dtype) and ``ref64`` (fp64).
+
+    Args:
+        name (str): what is compared, for the report.
+        out, ref, ref64 (Tensor): of one shape.
+        atol (float, optional): the absolute slack. Default: ``ATOL[out.dtype]``.
+
+    Returns:
+        Comparison: the errors and the verdict (``ok``).
+
+    Raises:
+        TypeError: ``out``, ``ref`` or ``ref64`` not a tensor, ``atol`` not a number, no default
+            ``atol`` for ``out``'s dtype.
+        ValueError: shapes that differ, ``atol`` negative or not finite.
+    """
+    for label, t in (("out", out), ("ref", ref), ("ref64", ref64)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{label}: expected a torch.Tensor, got {type(t).__name__}")
+    if atol is None and out.dtype not in ATOL:
+        raise TypeError(f"out: expected one of the dtypes {list(ATOL)} (or an atol), got {out.dtype}")
+    if atol is not None:
+        atol = check_real("atol", atol, minimum=0)
     if out.shape != ref64.shape or ref.shape != ref64.shape:
         raise ValueError(f"{name}: shapes differ: out {tuple(out.shape)}, ref {tuple(ref.shape)}, ref64 {tuple(ref64.shape)}")
     exact = ref64.double()
@@ -75,6 +98,8 @@ def ulp_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """
     if a.dtype != b.dtype:
         raise ValueError(f"ulp_diff: dtypes differ ({a.dtype} vs {b.dtype})")
+    if not a.is_floating_point() or a.element_size() not in (2, 4):
+        raise TypeError(f"a: expected a 16- or 32-bit float tensor, got {a.dtype}")
     int_type = {2: torch.int16, 4: torch.int32}[a.element_size()]
     sign_bit = -(1 << (8 * a.element_size() - 1))
 

@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 import torch
 
 from . import long_context, packed_attention
-from .long_context import tile_only_above as _tile_only_above  # the argument long_context hides the module
+# apply_to_qwen3_5's argument long_context hides the module: what it calls by name
+from .long_context import _check_tile_tokens, tile_only_above as _tile_only_above
+from .ops._checks import check_bool, check_module
 from .ops._compile import opaque_to_compile
 from .ops.causal_conv1d import causal_conv1d
 from .ops.contiguous_rows import contiguous_rows
@@ -34,7 +36,7 @@ from .ops.offset_rms_norm import OffsetRMSNorm
 from .ops import swiglu as swiglu_ops
 from .ops.routed_experts import routed_experts
 
-__all__ = ["PatchReport", "apply_to_qwen3_5", "revert"]
+__all__ = ["PatchReport", "apply_to_qwen3_5", "revert", "route_lora"]
 
 #: transformers classes computing x̂·(1+w) with Gemma-style casting (checked line by line
 #: against ``offset_rms_norm_ref`` in tests/test_patch.py).
@@ -51,16 +53,26 @@ _FLCE = "_q35lab_flce"  # attribute of a causal LM whose loss goes through linea
 
 @dataclass
 class PatchReport:
-    """What ``apply_to_qwen3_5`` (or ``revert``) did, counted by the class it replaced."""
+    """What ``apply_to_qwen3_5``, ``route_lora`` or ``revert`` did; ``print`` it for a summary.
 
-    replaced: Counter = field(default_factory=Counter)  # original class name → count
-    left_alone: Counter = field(default_factory=Counter)  # "class: why" → count
+    Attributes:
+        replaced (Counter): what was patched (mostly the original class name) → count.
+        left_alone (Counter): ``"class: why"`` → count, for modules q35lab cannot compute exactly.
+        already_patched (int): modules patched by an earlier call, left as they are.
+        not_applied (dict): flag → why it did nothing.
+        reverted (Counter): class name → count (``revert``).
+        qwen3_5 (bool): whether a Qwen3.5 module was found (``apply_to_qwen3_5`` patches nothing else).
+        runs (dict): what computes the parts q35lab does not replace, or replaces only sometimes
+            (the delta-rule core, the causal conv1d, packed batches, the long-context plan), and
+            what to do where it is slow.
+    """
+
+    replaced: Counter = field(default_factory=Counter)
+    left_alone: Counter = field(default_factory=Counter)
     already_patched: int = 0
-    not_applied: dict = field(default_factory=dict)  # flag → why it did nothing
+    not_applied: dict = field(default_factory=dict)
     reverted: Counter = field(default_factory=Counter)
-    qwen3_5: bool = True  # whether any Qwen3.5 module (norm, GatedDeltaNet, causal LM) was found
-    #: what computes the code q35lab does not replace, or replaces only sometimes: "delta-rule
-    #: core" and "causal conv1d" → which implementation will run, and what to do if it is slow
+    qwen3_5: bool = True
     runs: dict = field(default_factory=dict)
 
     @property
@@ -82,10 +94,8 @@ class PatchReport:
         if self.already_patched:
             lines.append(f"{self.already_patched} module(s) already patched, left as they are")
         if self.nothing_to_patch:
-            lines.append("nothing to patch: no Qwen3.5 module found")
-        elif not self.qwen3_5:
-            lines.append("not a Qwen3.5 model (no Qwen3.5 norm, GatedDeltaNet or causal LM found): "
-                         "only the model-independent parts (PEFT LoRA layers) were patched")
+            why = "" if self.qwen3_5 else ": not a Qwen3.5 model (no Qwen3.5 module found)"
+            lines.append(f"nothing to patch{why}")
         for flag, why in self.not_applied.items():
             lines.append(f"{flag}: {why}")
         for part, what in self.runs.items():
@@ -1185,10 +1195,26 @@ def _record_what_runs(model: torch.nn.Module, report: "PatchReport") -> None:
         report.runs["packed full attention"] = packed_attention.describe()
 
 
+#: What ``apply_to_qwen3_5`` looks for (transformers' classes; a GatedDeltaNet of any provider too).
+QWEN3_5_CLASSES = (OFFSET_RMS_NORM_CLASSES + HF_GATED_NORM_CLASSES + MLP_CLASSES + EXPERTS_CLASSES + ATTENTION_CLASSES
+                   + FLCE_CLASSES)
+
+
 def _is_qwen3_5_module(module: torch.nn.Module) -> bool:
     cls = type(module)
-    known = OFFSET_RMS_NORM_CLASSES + HF_GATED_NORM_CLASSES + FLCE_CLASSES + MLP_CLASSES + EXPERTS_CLASSES
-    return (cls.__name__ in known and cls.__module__.startswith("transformers.")) or _is_gated_delta_net(module)
+    known = cls.__name__ in QWEN3_5_CLASSES and cls.__module__.startswith("transformers.")
+    return known or _is_gated_delta_net(module)
+
+
+def _holds_qwen3_5(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has a Qwen3.5 module, or one that q35lab put in the place of one."""
+    return any(_is_qwen3_5_module(m) or _is_qwen3_5_module(vars(m).get(_ORIGINAL)) for m in model.modules())
+
+
+def _not_qwen3_5(model: torch.nn.Module) -> str:
+    return (f"model: no Qwen3.5 module found in {type(model).__name__} (looked for transformers' "
+            f"{', '.join(QWEN3_5_CLASSES)} and GatedDeltaNet); nothing was patched. For the PEFT LoRA layers of "
+            "another model, q35lab.patch.route_lora(model)")
 
 
 def _refuse_sharded(model: torch.nn.Module, what: str) -> None:
@@ -1221,93 +1247,109 @@ def apply_to_qwen3_5(
     gated_norm: bool = True,
     lora: bool = True,
     in_proj: bool = True,
-    flce: bool = True,
+    flce: bool | None = None,
     conv: bool = True,
     swiglu: bool = True,
     experts: bool = True,
     varlen_attention: bool = True,
     tiled_mlp: int | None = None,
     tiled_gdn: int | None = None,
-    offload_checkpoints: float | int = 0,
+    offload_checkpoints: float | int | None = 0,
     long_context: int | None = None,
+    strict: bool = False,
+    fused_linear_cross_entropy: bool | None = None,
 ) -> PatchReport:
-    """Replace Qwen3.5's modules by q35lab's kernels, in place; returns what was done.
+    """Replace a Qwen3.5 model's modules by q35lab's kernels, in place, and report what was done.
 
-    Works on ``Qwen3_5ForCausalLM``, ``Qwen3_5ForConditionalGeneration``, the MoE variants and
-    any PEFT wrapper around them. The modules are found by walking the model, so whichever class
-    the installed transformers put in a layer (its own, flash-linear-attention's, one with a hub
-    kernel attached) is the one replaced. Patching twice is harmless (the second report counts
-    the modules as already patched). Patch after moving the model to its device and dtype: the
-    in_proj fusion moves each GatedDeltaNet's four frozen weights into one buffer there, which a
-    later ``.to()`` splits again (still correct, but each fused call then concatenates them anew).
-
-    With FSDP2, patch first, then ``fully_shard`` each decoder layer and the root: a model that is
-    sharded already is refused (``RuntimeError``), and so is ``revert`` of one.
-
-    ``conv``: the GatedDeltaNet's causal convolution runs as ``q35lab.causal_conv1d`` (unless the
-    causal-conv1d package runs it); and where its forward repeats q and k to the value heads before
-    flash-linear-attention's core (transformers before 5.2x), the repeat is skipped: fla's kernels
-    read the grouped key heads themselves (the report says which).
-
-    ``experts``: a MoE layer's routed experts, while their weights are frozen (a LoRA fine-tune),
-    run as ``q35lab.ops.routed_experts``: grouped GEMMs with the router's weight folded into the
-    SwiGLU kernel and Triton kernels for the dispatch and the combine; trainable experts keep
-    transformers' forward (the report says so).
-
-    ``varlen_attention``: full-attention layers that run transformers' SDPA switch to q35lab's
-    attention implementation (``q35lab.packed_attention``): a packed row whose boundaries are known
-    (``cu_seq_lens_q``, given by the collator or derived from ``position_ids`` that do not step by
-    one) runs PyTorch's variable-length flash attention, each sequence alone, instead of SDPA over a
-    dense [T, T] block mask; every other call is SDPA as before. The switch is this model's: another
-    model built from the same config object keeps SDPA. ``revert`` switches them back.
+    Works on ``Qwen3_5ForCausalLM``, ``Qwen3_5ForConditionalGeneration``, the MoE variants and any
+    PEFT wrapper around them: patch after ``peft.get_peft_model`` and after moving the model to its
+    device and dtype, and with FSDP2 before ``fully_shard``. The modules keep their parameters (the
+    same objects); patching twice is harmless, ``revert`` undoes it. A patched model deep-copies,
+    pickles and compiles (q35lab's ops are graph breaks). Where a call is one a kernel cannot
+    compute exactly (a hook on ``lm_head``, two active adapters, DoRA, ...) the module's own forward
+    runs, and the report says which modules can never be patched.
 
     Packed rows (``DataCollatorWithFlattening``, with or without ``return_flash_attn_kwargs``) give
     each sequence what it gets alone under the forward's default arguments: such a row runs with
     ``use_cache=False``. Where the GatedDeltaNet cannot keep them apart (``conv=False`` without the
-    causal-conv1d package), a packed row is refused; the report's ``packed batches`` line says which.
+    causal-conv1d package) a packed row is refused; the report's ``packed batches`` line says which.
 
-    Long context (off by default): ``tiled_mlp=N`` computes every MLP in tiles of N tokens,
-    recomputed per tile in backward (a tile's intermediates instead of the sequence's);
-    ``tiled_gdn=N`` does the same for every GatedDeltaNet that trains on more than N tokens, the
-    conv's last rows and the recurrent state carried from tile to tile, and its whole decoder layer
-    (norms, MLP, residuals) in each tile where the MLP is per token, so that the layer's checkpoint
-    need not run the GatedDeltaNet a third time (exact; calls with a cache or packed sequences run
-    untiled, with a warning); ``offload_checkpoints`` (a fraction of the
-    decoder layers, or a count) keeps their gradient-checkpoint inputs in pinned host memory
-    between forward and backward (``q35lab.long_context`` sizes and explains all three).
-    ``long_context=N`` is the one switch for all three: it plans them for steps of up to N tokens
-    (``long_context.plan_long_context``: the memory model against the model's GPU, the cheapest
-    options first, none where the step fits as it is) and the report's ``long context`` line says
-    what it chose. A plan for N serves every shorter step too: a step the plan predicts to fit
-    untiled (its ``untiled_up_to``) runs untiled, and a module tiles only a sequence longer than
-    its tile. Give either ``long_context`` or the three options, not both; the plan
-    covers the dense models (a MoE model is refused) and warns where nothing it can choose fits.
+    Args:
+        model (nn.Module): a transformers Qwen3.5 model, bare or wrapped by PEFT.
+        rms_norm (bool): the decoder norms as ``OffsetRMSNorm``. Default: True.
+        gated_norm (bool): the GatedDeltaNet's gated norm as ``GatedRMSNorm``. Default: True.
+        lora (bool): each PEFT LoRA ``Linear`` through ``lora_linear`` (LoRA layers added later need
+            another call). Default: True.
+        in_proj (bool): a GatedDeltaNet's four input projections as one ``fused_lora_projections``
+            node (frozen bases). Default: True.
+        flce (bool, optional): the causal LM's loss by ``linear_cross_entropy``, which makes no
+            logits. Default: True.
+        conv (bool): the GatedDeltaNet's causal conv1d as ``causal_conv1d`` (unless the causal-conv1d
+            package runs it), and fla's delta rule given the key heads unrepeated. Default: True.
+        swiglu (bool): the MLP as a fused gate/up projection and ``swiglu_down``. Default: True.
+        experts (bool): a MoE layer's frozen routed experts as ``routed_experts``. Default: True.
+        varlen_attention (bool): full attention over a packed row (``cu_seq_lens_q``, or ``position_ids``
+            that do not step by one) as variable-length flash attention, each sequence alone; this
+            model's layers only, not others built from the same config. Default: True.
+        tiled_mlp (int, optional): every MLP computed in tiles of this many tokens, each recomputed
+            in backward. Default: None (untiled).
+        tiled_gdn (int, optional): every GatedDeltaNet decoder layer that trains on more tokens
+            computed in such tiles, its state carried from tile to tile (calls with a cache or
+            packed sequences run untiled, with a warning). Default: None.
+        offload_checkpoints (float or int, optional): the decoder layers, a fraction in [0, 1] or a
+            count, whose gradient-checkpoint inputs wait in pinned host memory. Default: 0.
+        long_context (int, optional): the longest step's tokens: plans the three options above for
+            it (``long_context.plan_long_context`` against the model's GPU; dense models only), in
+            place of them. Default: None.
+        strict (bool): raise, rather than warn, when ``model`` holds no Qwen3.5 module. Default: False.
+        fused_linear_cross_entropy (bool, optional): Liger's name for ``flce``; give one of the two.
 
-    With PEFT, patch the wrapped model (after ``get_peft_model``). LoRA layers added after a
-    patch run PEFT's own forward until ``apply_to_qwen3_5`` is called again; the report of a
-    model without LoRA layers says so. A patched model can be deep-copied (the copy computes
-    with its own weights), pickled with ``torch.save`` and compiled (q35lab's ops are graph
-    breaks). The fused loss makes no logits: while a forward hook is registered on ``lm_head``
-    (hooks expect logits) the model's own loss runs instead. Likewise the MLP's down projection
-    joins the SwiGLU's node (``swiglu_down``, which keeps no SwiGLU output) except while a hook
-    is registered on it or its adapter has dropout: then it runs its own forward.
+    Returns:
+        PatchReport: the modules replaced, those left alone and why, the flags that did nothing,
+        and what runs where q35lab does not replace the code.
+
+    Raises:
+        TypeError: ``model`` not a module, a flag not a bool, a tile or ``long_context`` not an int,
+            ``offload_checkpoints`` not a number, ``flce`` and ``fused_linear_cross_entropy`` both
+            given, ``long_context`` for a model without a transformers config.
+        ValueError: a tile, ``long_context`` or ``offload_checkpoints`` out of range, ``long_context``
+            with the options it plans or on a model that has them, no Qwen3.5 module with ``strict``.
+        NotImplementedError: ``long_context`` for a MoE model.
+        RuntimeError: the model is sharded already (FSDP2).
+
+    Warns:
+        UserWarning: no Qwen3.5 module found (nothing is patched), or a ``long_context`` plan that
+            does not fit.
     """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    _refuse_sharded(model, "apply_to_qwen3_5")
+    check_module("model", model)
+    flags = {"rms_norm": rms_norm, "gated_norm": gated_norm, "lora": lora, "in_proj": in_proj, "conv": conv,
+             "swiglu": swiglu, "experts": experts, "varlen_attention": varlen_attention, "strict": strict}
+    for name, value in flags.items():
+        check_bool(name, value)
+    flce = _flce_option(flce, fused_linear_cross_entropy)
     tiled_mlp, tiled_gdn = _tile_option("tiled_mlp", tiled_mlp), _tile_option("tiled_gdn", tiled_gdn)
-    plan = None
+    offload_checkpoints = _offload_option(model, offload_checkpoints)
     if long_context is not None:
+        long_context = _check_tile_tokens(long_context, "long_context", "the longest step's tokens")
         if tiled_mlp or tiled_gdn or offload_checkpoints:
             raise ValueError("long_context: it plans tiled_mlp, tiled_gdn and offload_checkpoints itself; pass either "
                              "long_context or those options, not both")
+    _refuse_sharded(model, "apply_to_qwen3_5")
+    if not _holds_qwen3_5(model):
+        if strict:
+            raise ValueError(_not_qwen3_5(model))
+        warnings.warn(f"q35lab.apply_to_qwen3_5: {_not_qwen3_5(model)} (strict=True makes this an error)",
+                      stacklevel=2)
+        return PatchReport(qwen3_5=False)
+    plan = None
+    if long_context is not None:
         plan = _plan_long_context(model, long_context)
         if not plan.fits:
             warnings.warn(f"q35lab: long_context={long_context}: {plan}", stacklevel=2)
         tiled_mlp, tiled_gdn, offload_checkpoints = plan.tiled_mlp, plan.tiled_gdn, plan.offload_layers
     enabled = {"rms_norm": rms_norm, "gated_norm": gated_norm, "lora": lora, "in_proj": in_proj, "flce": flce,
                "conv": conv, "swiglu": swiglu, "experts": experts, "varlen_attention": varlen_attention}
-    report = PatchReport(qwen3_5=any(map(_is_qwen3_5_module, model.modules())))
+    report = PatchReport()
     for flag, wanted in enabled.items():
         if not wanted:
             report.not_applied[flag] = "disabled by the caller"
@@ -1412,11 +1454,31 @@ def _report_tiled_gdn(model: torch.nn.Module, tile_tokens: int, report: "PatchRe
 
 
 def _tile_option(name: str, value) -> int | None:
-    """A long-context tile size: None (or False, or 0) for off, else a positive int."""
-    if value is None or value is False or (isinstance(value, numbers.Integral) and not isinstance(value, bool)
-                                           and value == 0):
+    """A long-context tile size: None (or 0) for off, else a positive int; errors name ``name``."""
+    if value is None or (isinstance(value, numbers.Integral) and not isinstance(value, bool) and value == 0):
         return None
     return long_context._check_tile_tokens(value, name)
+
+
+def _offload_option(model: torch.nn.Module, value) -> float | int:
+    """``offload_checkpoints`` checked against ``model``'s decoder layers: None (or 0) for off."""
+    if value is None:
+        return 0
+    layers = long_context._decoder_layers(model)
+    long_context._layer_count("offload_checkpoints", value, len(layers))
+    if value and not layers:
+        raise ValueError("offload_checkpoints: the model has no decoder layers to offload (transformers' "
+                         "*DecoderLayer in a `layers` list)")
+    return value
+
+
+def _flce_option(flce, fused_linear_cross_entropy) -> bool:
+    """The loss switch under either of its names (Liger's is the long one); True unless given."""
+    if flce is not None and fused_linear_cross_entropy is not None:
+        raise TypeError("flce, fused_linear_cross_entropy: expected one of the two (they are one switch), got both")
+    if fused_linear_cross_entropy is not None:
+        return check_bool("fused_linear_cross_entropy", fused_linear_cross_entropy)
+    return True if flce is None else check_bool("flce", flce)
 
 
 def _tile_gdn(gdn: torch.nn.Module, tile_tokens: int, report: "PatchReport") -> None:
@@ -1439,10 +1501,48 @@ def _tile_gdn_layer(layer: torch.nn.Module, tile_tokens: int, report: "PatchRepo
         report.already_patched += 1
 
 
+def route_lora(model: torch.nn.Module) -> PatchReport:
+    """Route the PEFT LoRA ``Linear`` layers of any model through ``lora_linear``, where it computes
+    the call exactly (else PEFT's own forward runs): what ``apply_to_qwen3_5(lora=True)`` does in a
+    Qwen3.5 model. ``revert`` undoes it.
+
+    Args:
+        model (nn.Module): a model with PEFT LoRA layers (``peft.get_peft_model``).
+
+    Returns:
+        PatchReport: the layers routed, and those left to PEFT (and why).
+
+    Raises:
+        TypeError: ``model`` not a module.
+        RuntimeError: the model is sharded already (FSDP2).
+    """
+    check_module("model", model)
+    _refuse_sharded(model, "route_lora")
+    report = PatchReport(qwen3_5=_holds_qwen3_5(model))
+    for parent, name, child in _named_children_everywhere(model):
+        fused = _marked(child, _IN_PROJ) is not None or _computed_by_a_fused_mlp(child, parent)
+        if _is_peft_lora_linear(child) and not fused:
+            _route_lora(child, report)
+    if not any(map(_is_peft_lora_linear, model.modules())):
+        report.not_applied["lora"] = "no PEFT LoRA layers in the model"
+    return report
+
+
 def revert(model: torch.nn.Module) -> PatchReport:
-    """Undo ``apply_to_qwen3_5``: every patched module gets its original back (same weights)."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    """Undo ``apply_to_qwen3_5`` (or ``route_lora``): every patched module gets its original back,
+    with the same parameters.
+
+    Args:
+        model (nn.Module): a patched model (an unpatched one is left as it is).
+
+    Returns:
+        PatchReport: what was restored (``reverted``), by class.
+
+    Raises:
+        TypeError: ``model`` not a module.
+        RuntimeError: the model is sharded already (FSDP2): rebuild it instead.
+    """
+    check_module("model", model)
     _refuse_sharded(model, "revert")
     report = PatchReport()
     _forget_packed_boundaries(model)

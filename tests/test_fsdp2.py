@@ -51,6 +51,7 @@ try:
 except ImportError as exc:  # pragma: no cover - older torch
     pytest.skip(f"FSDP2 (torch.distributed.fsdp.fully_shard) is not available: {exc}", allow_module_level=True)
 
+from q35lab.long_context import enable_checkpointing
 from q35lab.numerics import assert_close_by_rule
 
 WORLD = 2
@@ -84,7 +85,7 @@ def _model(seed: int, dtype=torch.float32):
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0.0, 0.2)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model)
     return model.to(dtype).train()
 
 

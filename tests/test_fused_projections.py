@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import q35lab
+from q35lab.long_context import enable_checkpointing
 from q35lab.numerics import assert_close_by_rule
 from q35lab.ops.fused_projections import (
     ConcatCache, FusedLoRAProjectionsFunction, Projection, fused_lora_projections, fused_lora_projections_ref, pack_rows,
@@ -407,7 +408,7 @@ def test_disabled_adapters_and_gradient_checkpointing():
     q35lab.apply_to_qwen3_5(model)
     with model.disable_adapter():  # fused, base projections only
         torch.testing.assert_close(model(input_ids=ids, labels=ids).loss.detach(), base_loss, rtol=1e-5, atol=1e-6)
-    model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model.base_model.model)
     model.train()
     loss_ckpt, grads_ckpt = loss_and_grads(model, ids)
     torch.testing.assert_close(loss_ckpt, loss_peft, rtol=1e-5, atol=1e-6)

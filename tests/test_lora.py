@@ -6,6 +6,7 @@ import torch
 import q35lab
 from q35lab.numerics import assert_close_by_rule
 from q35lab.ops.lora import LoRALinearFunction, dropout_mask, lora_linear, lora_linear_ref
+from q35lab.patch import route_lora
 from q35lab.runtime import device
 from tiny_models import count_forward_calls, recording_backend
 
@@ -257,7 +258,9 @@ def test_torch_compile_breaks_the_graph_at_the_op_and_matches_eager():
 
 def test_peft_layers_are_routed_and_fall_back_when_they_must(monkeypatch):
     model, layer = _peft_layer(32, 24, 4, alpha=8)
-    report = q35lab.apply_to_qwen3_5(model)
+    with pytest.warns(UserWarning, match="no Qwen3.5 module found"):  # apply_to_qwen3_5 leaves another model alone
+        assert q35lab.apply_to_qwen3_5(model).replaced == {}
+    report = route_lora(model)  # its LoRA part, for any model
     assert report.replaced == {"PEFT lora.Linear (forward)": 1}
     calls = count_forward_calls(monkeypatch, LoRALinearFunction)
     x = torch.randn(3, 32, device=device())
@@ -279,7 +282,7 @@ def test_peft_layers_are_routed_and_fall_back_when_they_must(monkeypatch):
 def test_layers_it_cannot_compute_exactly_are_left_to_peft():
     base = torch.nn.Sequential(torch.nn.Linear(32, 24))
     dora = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["0"], use_dora=True))
-    report = q35lab.apply_to_qwen3_5(dora)
+    report = route_lora(dora)
     assert report.replaced == {} and "DoRA" in str(report)
 
 

@@ -103,14 +103,22 @@ def test_a_forward_hook_on_lm_head_fires_with_logits_and_the_loss_is_unchanged()
     assert seen == [torch.Size([2, 7, 128])]
 
 
-def test_the_report_says_when_the_model_is_not_qwen3_5():
+def test_a_model_that_is_not_qwen3_5_is_left_alone_with_a_warning_or_refused_with_strict():
     peft = pytest.importorskip("peft")
     plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
     wrapped = peft.get_peft_model(plain, peft.LoraConfig(r=2, target_modules=["0", "2"]))
-    report = q35lab.apply_to_qwen3_5(wrapped)
-    assert report.replaced == {"PEFT lora.Linear (forward)": 2}
-    assert not report.qwen3_5 and "not a Qwen3.5 model" in str(report)
-    assert q35lab.apply_to_qwen3_5(causal_lm()).qwen3_5
+    with pytest.warns(UserWarning, match=r"model: no Qwen3\.5 module found in PeftModel \(looked for transformers' "
+                                         r"Qwen3_5RMSNorm, .*Qwen3_5ForCausalLM.*\); nothing was patched"):
+        report = q35lab.apply_to_qwen3_5(wrapped)
+    assert report.replaced == {} and not report.qwen3_5 and "not a Qwen3.5 model" in str(report)
+    assert not any("forward" in vars(m) for m in wrapped.modules())  # its LoRA layers too are left as they are
+    with pytest.raises(ValueError, match=r"model: no Qwen3\.5 module found in PeftModel"):
+        q35lab.apply_to_qwen3_5(wrapped, strict=True)
+    assert not any("forward" in vars(m) for m in wrapped.modules())
+    assert q35lab.apply_to_qwen3_5(causal_lm(), strict=True).qwen3_5
+    patched = causal_lm()
+    q35lab.apply_to_qwen3_5(patched)
+    assert q35lab.apply_to_qwen3_5(patched, strict=True).already_patched  # a patched model is still one
 
 
 def test_lora_layers_added_after_patching_are_named_and_a_second_call_routes_them(monkeypatch):

@@ -113,7 +113,8 @@ def test_patching_twice_is_harmless_and_reported():
 
 
 def test_model_with_nothing_to_patch():
-    report = q35lab.apply_to_qwen3_5(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)))
+    with pytest.warns(UserWarning, match="no Qwen3.5 module found in Sequential"):
+        report = q35lab.apply_to_qwen3_5(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)))
     assert report.nothing_to_patch and "nothing to patch" in str(report)
 
 
@@ -535,7 +536,8 @@ def test_the_report_says_which_delta_rule_core_and_convolution_run():
     assert ("flash-linear-attention" in report.runs["delta-rule core"]) if fla else (
         "PyTorch fallback" in report.runs["delta-rule core"] and "pip install flash-linear-attention" in str(report))
     assert "fallback" in report.runs["causal conv1d"] and "conv=True" in str(report)
-    assert q35lab.apply_to_qwen3_5(torch.nn.Linear(2, 2)).runs == {}  # no GatedDeltaNet, nothing to say
+    with pytest.warns(UserWarning, match="no Qwen3.5 module found"):
+        assert q35lab.apply_to_qwen3_5(torch.nn.Linear(2, 2)).runs == {}  # no GatedDeltaNet, nothing to say
 
 
 def test_an_installed_switch_rebuilds_the_type_it_wraps_when_called_without_arguments():

@@ -147,14 +147,15 @@ def test_weighted_swiglu_gradient_of_the_weights():
     (lambda a: {**a, "down_proj": a["down_proj"][:, :, :-1]}, "down_proj: expected"),
     (lambda a: {**a, "gate_up_proj": a["gate_up_proj"][:, :, :-1]}, "gate_up_proj: expected"),
     (lambda a: {**a, "gate_up_proj": a["gate_up_proj"].detach().requires_grad_()}, "expected frozen expert weights"),
-    (lambda a: {**a, "hidden_states": a["hidden_states"][None]}, r"hidden_states: expected \[tokens, hidden\]"),
+    (lambda a: {**a, "x": a["x"][None]}, r"x: expected \[tokens, hidden\], got shape \(1, 5, 16\)"),
+    (lambda a: {**a, "top_k_index": a["top_k_index"].tolist()}, "top_k_index: expected an integer tensor, got list"),
 ])
 def test_bad_input_names_the_argument(bad, message):
     x, logits, gate_up, down = _routed(5, 16, 6, 8, 2, torch.float32, seed=0)
     index, weights = _top_k(logits, 2, torch.float32)
-    args = dict(hidden_states=x, top_k_index=index, top_k_weights=weights, gate_up_proj=gate_up, down_proj=down)
+    args = dict(x=x, top_k_index=index, top_k_weights=weights, gate_up_proj=gate_up, down_proj=down)
     with pytest.raises((ValueError, TypeError), match=message):
-        ops.routed_experts(*bad(args).values())
+        ops.routed_experts(**bad(args))
 
 
 def test_no_second_derivative():

@@ -9,7 +9,7 @@ Implementations (each a PEFT-wrapped ``nn.Linear`` with the same weights, except
   ``peft.helpers.disable_input_dtype_casting`` sets); without autocast, fp32 adapters then meet
   bf16 activations and PEFT raises — recorded as an error, which is the finding;
 * ``axolotl``: axolotl's ``apply_lora_linear`` (LoRA_O) on the PEFT layer (needs bitsandbytes);
-* ``q35lab``: the PEFT layer routed through ``q35lab.lora_linear`` by ``apply_to_qwen3_5``.
+* ``q35lab``: the PEFT layer routed through ``q35lab.lora_linear`` by ``route_lora`` (as ``apply_to_qwen3_5`` does).
 
 Variants: with and without bf16 autocast (how ``Trainer`` runs with ``bf16=True``), with and
 without non-reentrant gradient checkpointing of the projection (the forward runs again in the
@@ -82,9 +82,9 @@ def _setup(kind: str):
             if kind == "peft_no_cast":
                 layer.cast_input_dtype_enabled = False
             if kind == "q35lab":
-                from ..patch import apply_to_qwen3_5  # what a user runs: PEFT's layer routed by the patch
+                from ..patch import route_lora  # the LoRA part of apply_to_qwen3_5, for a model of one layer
 
-                apply_to_qwen3_5(model)
+                route_lora(model)
             if kind == "axolotl":
                 from axolotl.kernels.lora import apply_lora_linear
 

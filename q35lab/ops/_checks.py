@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from .. import runtime  # chose compiled Triton or the interpreter when q35lab was imported
@@ -54,13 +57,61 @@ def check_weight(name: str, weight: torch.Tensor, width: int) -> None:
 
 
 def check_eps(eps: object) -> float:
-    """Return ``eps`` as a float if it is a finite number > 0, else raise ``ValueError``."""
-    try:
-        value = float(eps)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise TypeError(f"eps: expected a positive float, got {eps!r}") from None
-    if not (value > 0.0 and value < float("inf")):
-        raise ValueError(f"eps: expected a positive finite float, got {eps!r}")
+    """Return ``eps`` as a float if it is a finite real number > 0, else raise naming it."""
+    return check_real("eps", eps, positive=True, what="added to the mean square")
+
+
+def check_bool(name: str, value: object) -> bool:
+    """Return ``value`` if it is a bool, else raise ``TypeError`` naming it: ``"yes"``, ``1``,
+    ``1.0`` and ``None`` are slips, not switches."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected True or False, got {value!r}")
+    return value
+
+
+def _expected(kind: str, minimum, maximum, positive: bool, what: str) -> str:
+    if positive:
+        text = f"a positive {kind}"
+    elif minimum is not None and maximum is not None:
+        text = f"{'an' if kind == 'int' else 'a'} {kind} in [{minimum}, {maximum}]"
+    elif minimum is not None:
+        text = f"{'an' if kind == 'int' else 'a'} {kind} of at least {minimum}"
+    else:
+        text = f"{'an' if kind == 'int' else 'a'} {kind}"
+    return f"{text} ({what})" if what else text
+
+
+def check_int(name: str, value: object, *, minimum: int | None = None, maximum: int | None = None,
+              what: str = "") -> int:
+    """Return ``value`` as an int if it is an integer (not a bool) in ``[minimum, maximum]``; else
+    ``TypeError`` (another type) or ``ValueError`` (out of range), naming it and what was expected."""
+    expected = _expected("int", minimum, maximum, minimum == 1 and maximum is None, what)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected {expected}, got {value!r}")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+    return int(value)
+
+
+def check_real(name: str, value: object, *, minimum: float | None = None, maximum: float | None = None,
+               positive: bool = False, what: str = "") -> float:
+    """Return ``value`` as a float if it is a finite real number (not a bool, not a tensor) in
+    ``[minimum, maximum]`` (``> 0`` if ``positive``); else ``TypeError`` (another type) or
+    ``ValueError`` (NaN, infinite or out of range), naming it and what was expected."""
+    expected = _expected("finite number", minimum, maximum, positive, what)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected {expected}, got {value!r}")
+    number = float(value)
+    if (not math.isfinite(number) or (positive and not number > 0) or (minimum is not None and number < minimum)
+            or (maximum is not None and number > maximum)):
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+    return number
+
+
+def check_module(name: str, value: object) -> torch.nn.Module:
+    """Return ``value`` if it is a ``torch.nn.Module``, else raise ``TypeError`` naming it."""
+    if not isinstance(value, torch.nn.Module):
+        raise TypeError(f"{name}: expected a torch.nn.Module, got {type(value).__name__}")
     return value
 
 

@@ -37,8 +37,9 @@ def dropout_mask(like: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     """The keep-mask (bool, shape of ``like``) that ``lora_linear`` uses for dropout ``p``.
 
     Drawn from a generator seeded with ``seed``, so the backward regenerates the exact mask of the
-    forward instead of storing it.
+    forward instead of storing it. ``p``: a real number in [0, 1) (``TypeError`` / ``ValueError`` else).
     """
+    p = check_dropout("p", p)
     generator = torch.Generator(device=like.device).manual_seed(seed)
     keep = torch.empty(like.shape, dtype=torch.float32, device=like.device).bernoulli_(1.0 - p, generator=generator)
     return keep.bool()

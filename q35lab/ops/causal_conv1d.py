@@ -45,7 +45,7 @@ import triton.language as tl
 
 from .. import runtime  # noqa: F401  (the interpreter is chosen before any kernel is defined)
 from ._autograd import first_order_only
-from ._checks import check_float_tensor, check_kernel_device
+from ._checks import check_bool, check_float_tensor, check_kernel_device
 from ._compile import opaque_to_compile
 from ._launch import persistent_programs
 from ._reduce import sum_partials
@@ -714,6 +714,13 @@ def causal_conv1d(
         ``y``, a new contiguous ``[B, T, C]`` tensor of ``x.dtype``; with ``return_final_rows``,
         ``(y, final_rows)``. Gradients flow to ``x``, ``weight``, ``bias`` and ``initial_rows``
         (each skipped when it does not require grad).
+
+    Raises:
+        TypeError: a tensor argument not a bf16/fp16/fp32 tensor, ``cu_seqlens`` not an int32/int64
+            tensor, ``return_final_rows`` not a bool, ``config`` not a ``LaunchConfig``.
+        ValueError: shapes that do not match, a filter wider than 8 taps, an unknown ``activation``,
+            ``cu_seqlens`` not cumulative starts from 0 to T (or with ``B > 1`` or ``initial_rows``),
+            tensors on different devices.
     """
     check_float_tensor("x", x)
     check_float_tensor("weight", weight)
@@ -743,6 +750,7 @@ def causal_conv1d(
     check_kernel_device(**tensors)
     if config is not None and not isinstance(config, LaunchConfig):
         raise TypeError(f"config: expected a LaunchConfig or None, got {type(config).__name__}")
+    check_bool("return_final_rows", return_final_rows)
     seq_start = None if cu_seqlens is None else _sequence_starts(cu_seqlens, B, T)
     return CausalConv1dFunction.apply(x, weight, bias, seq_start, initial_rows, activation is not None, config,
-                                      bool(return_final_rows))
+                                      return_final_rows)

@@ -65,14 +65,32 @@ __all__ = ["Projection", "ConcatCache", "pack_rows", "unpack_rows", "fused_lora_
 
 @dataclass
 class Projection:
-    """One projection of the shared input: ``x·Wᵀ + b + scaling · dropout(x)·Aᵀ·Bᵀ``."""
+    """One projection of the shared input: ``x·Wᵀ + b + scaling · dropout(x)·Aᵀ·Bᵀ``.
 
-    weight: torch.Tensor  # [N, K]
-    bias: torch.Tensor | None = None  # [N]
-    lora_A: torch.Tensor | None = None  # [r, K]
-    lora_B: torch.Tensor | None = None  # [N, r]
+    Args:
+        weight (Tensor): ``[N, K]``, frozen.
+        bias (Tensor, optional): ``[N]``, frozen. Default: None.
+        lora_A (Tensor, optional): ``[r, K]``, with ``lora_B``. Default: None (no adapter).
+        lora_B (Tensor, optional): ``[N, r]``. Default: None.
+        scaling (float): the adapter scale, a finite real number. Default: 1.
+        dropout (float): the adapter input's dropout probability, in [0, 1). Default: 0.
+
+    Raises:
+        TypeError: ``scaling`` or ``dropout`` not a real number (a bool, a string or a tensor).
+        ValueError: ``scaling`` not finite, ``dropout`` outside [0, 1). The tensors are checked by
+            ``fused_lora_projections``, whose errors name ``projections[i].<field>``.
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    lora_A: torch.Tensor | None = None
+    lora_B: torch.Tensor | None = None
     scaling: float = 1.0
     dropout: float = 0.0
+
+    def __post_init__(self):
+        _check_scaling("scaling", self.scaling)
+        _check_dropout("dropout", self.dropout)
 
     @property
     def has_adapter(self) -> bool:
@@ -366,28 +384,38 @@ def _check_projection(i: int, p: object, K: int) -> None:
 @opaque_to_compile  # a graph break under torch.compile (see _compile.py)
 def fused_lora_projections(x: torch.Tensor, projections, *, cache: ConcatCache | None = None,
                            own_buffer=()) -> tuple[torch.Tensor, ...]:
-    """All ``projections`` of ``x`` as one autograd node; returns one output per projection.
+    """All ``projections`` of ``x`` as one autograd node: ``x·W_iᵀ + b_i + s_i · d(x)·A_iᵀ·B_iᵀ`` for each.
 
     Args:
-        x: ``[..., K]``; cast to the autocast dtype under autocast, as ``F.linear`` would.
-        projections: ``Projection``s sharing ``x`` (adapters optional, mixed freely); each field
-            is checked as ``lora_linear`` checks its arguments (bf16/fp16/fp32 tensors, weight
-            ``[N, K]``, bias ``[N]``, lora_A ``[r, K]``, lora_B ``[N, r]``, finite real scaling,
-            dropout in [0, 1), no bools), and errors name ``projections[i].<field>``.
-        cache: keeps the concatenated base weights between calls (built anew without one).
-        own_buffer: indices of projections whose output gets a contiguous buffer of its own (the
-            base GEMM is split at its columns), for a consumer that reshapes it across rows.
+        x (Tensor): ``[..., K]``; bf16, fp16 or fp32 (cast to the autocast dtype under autocast,
+            as ``F.linear`` would).
+        projections (iterable of Projection): sharing ``x``, adapters optional and mixed freely;
+            each field is checked as ``lora_linear`` checks its argument of that name.
+        cache (ConcatCache, optional): keeps the concatenated base weights between calls.
+            Default: None (concatenated anew).
+        own_buffer (iterable of int): indices of projections whose output gets a contiguous buffer
+            of its own, for a consumer that reshapes it across rows. Default: none.
 
-    The other outputs share one ``[T, ΣN]`` buffer per run of neighbours (column blocks, strided,
-    no copies). None is a view: each may be edited in place, with correct gradients, like a
-    separate ``nn.Linear``'s output.
-    Any size may be zero (no tokens, no features, rank 0).
-    Opaque to ``torch.compile``: a graph break; the op runs eagerly with its own autograd node.
+    Returns:
+        tuple of Tensor: one ``[..., N_i]`` output per projection. The others are column blocks of
+        one shared buffer (strided, no copies); none is a view, so each may be edited in place like
+        a separate ``nn.Linear``'s output. Any size may be zero.
+
+    Raises:
+        TypeError: ``x`` or a field not of the expected type (errors name ``projections[i].<field>``),
+            ``cache`` not a ``ConcatCache``, ``own_buffer`` not indices.
+        ValueError: no projections, shapes that do not match, a trainable base weight, tensors on
+            different devices, an index of ``own_buffer`` out of range.
     """
     check_float_tensor("x", x)
     if x.dim() == 0:
         raise ValueError("x: expected [..., K] (at least one dimension), got a 0-dimensional tensor")
-    projections = list(projections)
+    if cache is not None and not isinstance(cache, ConcatCache):
+        raise TypeError(f"cache: expected a ConcatCache or None, got {type(cache).__name__}")
+    try:
+        projections = list(projections)
+    except TypeError:
+        raise TypeError(f"projections: expected a list of Projection, got {type(projections).__name__}") from None
     if not projections:
         raise ValueError("projections: expected at least one Projection")
     K = x.shape[-1]

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from ._autograd import first_order_only
-from ._checks import check_eps, check_float_tensor, check_kernel_device, check_like, check_weight
+from ._checks import check_eps, check_float_tensor, check_int, check_kernel_device, check_like, check_weight
 from ._compile import opaque_to_compile
 from ._launch import as_rows
 from ._reduce import sum_partials
@@ -310,16 +310,25 @@ class GatedRMSNormFunction(torch.autograd.Function):
 def gated_rms_norm(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, rounding: str = "hf"
 ) -> torch.Tensor:
-    """Gated RMSNorm: ``y = w · x·rsqrt(mean(x²)+eps) · silu(gate)``, fused.
+    """Gated RMSNorm: ``y = weight · x·rsqrt(mean(x²) + eps) · silu(gate)``, fused.
 
     Args:
-        x: activations of any leading shape, last dimension = width; bf16, fp16 or fp32.
-        gate: same shape and dtype as ``x``.
-        weight: ``[width]``; its gradient is skipped when it does not require grad.
-        eps: added to the mean square.
-        rounding: ``"hf"`` (transformers' cast order) or ``"fused"`` (one rounding, fla's).
+        x (Tensor): ``[..., width]``; bf16, fp16 or fp32.
+        gate (Tensor): of ``x``'s shape and dtype.
+        weight (Tensor): ``[width]``; bf16, fp16 or fp32. Its gradient is skipped when it does not
+            require grad.
+        eps (float): added to the mean square. Default: ``1e-6``.
+        rounding (str): ``"hf"`` (transformers' cast order) or ``"fused"`` (one rounding, fla's).
+            Default: ``"hf"``.
 
-    A width of 0 gives what the reference gives: an empty output and empty gradients.
+    Returns:
+        Tensor: of ``x``'s shape and dtype (a width of 0 gives an empty one).
+
+    Raises:
+        TypeError: a tensor argument not a bf16/fp16/fp32 tensor, ``gate`` of another dtype than
+            ``x``, ``eps`` not a real number.
+        ValueError: ``gate`` of another shape, ``weight`` not ``[width]``, a width above 8192, the
+            tensors on different devices, ``eps`` not finite and > 0, an unknown ``rounding``.
     """
     check_float_tensor("x", x)
     check_float_tensor("gate", gate)
@@ -328,23 +337,39 @@ def gated_rms_norm(
     check_weight("weight", weight, x.shape[-1])
     check_kernel_device(x=x, gate=gate, weight=weight)
     eps = check_eps(eps)
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding: expected one of {ROUNDINGS}, got {rounding!r}")
+    _check_rounding(rounding)
     if x.shape[-1] > MAX_WIDTH:
         raise ValueError(f"x: last dimension {x.shape[-1]} exceeds the supported width {MAX_WIDTH}")
     return GatedRMSNormFunction.apply(x, gate, weight, eps, rounding)
 
 
+def _check_rounding(rounding: object) -> None:
+    if not isinstance(rounding, str) or rounding not in ROUNDINGS:
+        raise ValueError(f"rounding: expected one of {ROUNDINGS}, got {rounding!r}")
+
+
 class GatedRMSNorm(torch.nn.Module):
-    """Drop-in for transformers' ``Qwen3_5RMSNormGated`` (``forward(x, gate)``, weight of ones)."""
+    """Drop-in for transformers' ``Qwen3_5RMSNormGated``: ``forward(x, gate)`` is
+    ``gated_rms_norm(x, gate, self.weight, self.eps, self.rounding)``, weight initialised to ones.
+
+    Args:
+        hidden_size (int): the width, at least 1.
+        eps (float): added to the mean square, finite and > 0. Default: ``1e-6``.
+        rounding (str): ``"hf"`` or ``"fused"``, as for ``gated_rms_norm``. Default: ``"hf"``.
+        device, dtype: of ``weight``, as for any ``torch.nn`` module.
+
+    Raises:
+        TypeError: ``hidden_size`` not an int, ``eps`` not a real number.
+        ValueError: ``hidden_size`` below 1, ``eps`` not finite and > 0, an unknown ``rounding``.
+    """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, rounding: str = "hf", *, device=None, dtype=None):
         super().__init__()
-        if rounding not in ROUNDINGS:
-            raise ValueError(f"rounding: expected one of {ROUNDINGS}, got {rounding!r}")
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
-        self.eps = eps
+        hidden_size = check_int("hidden_size", hidden_size, minimum=1, what="the width")
+        self.eps = check_eps(eps)
+        _check_rounding(rounding)
         self.rounding = rounding
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return gated_rms_norm(x, gate, self.weight, self.eps, self.rounding)

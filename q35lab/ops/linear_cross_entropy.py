@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from ._autograd import first_order_only, graph_is_kept
-from ._checks import check_float_tensor, check_kernel_device
+from ._checks import check_float_tensor, check_int, check_kernel_device
 from ._compile import opaque_to_compile
 from ._linear import compute_dtype
 from ._tuned import tuned_config
@@ -462,27 +462,34 @@ def linear_cross_entropy(input, linear_weight, target, *, ignore_index: int = -1
                          chunk_size: int | None = None, weight_grad: str = "auto", config: LaunchConfig | None = None):
     """``cross_entropy(linear(input, linear_weight), target)`` without materialising the logits.
 
-    Mirrors ``torch.nn.functional.linear_cross_entropy`` (PyTorch ≥ 2.13): ``input`` [..., H],
-    ``linear_weight`` [V, H], ``target`` [...] (int64 or int32 class indices). Log-sum-exp and
-    softmax in fp32; gradients for ``input`` and ``linear_weight`` (skipped when it does not
-    require grad, the usual LoRA case). ``config`` (how it is launched) defaults to
-    ``launch_config(V, H, dtype)``; ``chunk_size`` (rows of logits held at once) and
-    ``weight_grad`` override its fields of those names. Where no target is counted (no tokens,
-    or all ignored) the result is what ``cross_entropy`` gives: "mean" NaN, "sum" 0, and zero
-    gradients.
+    Mirrors ``torch.nn.functional.linear_cross_entropy``: log-sum-exp and softmax in fp32, the
+    logits made a chunk of rows at a time. Where no target is counted (no tokens, or all ignored)
+    the result is what ``cross_entropy`` gives: "mean" NaN, "sum" 0, and zero gradients.
 
-    ``weight_grad`` picks how a trainable head's gradient is made: ``"accumulate"`` adds each
-    chunk's share into an fp32 ``[V, H]`` buffer (three logits-sized matmuls; the buffer is twice
-    the gradient's size), ``"recompute"`` makes it block by block of the vocabulary in a second
-    pass (four matmuls; no buffer beyond the gradient itself), ``"auto"`` the configuration's
-    (tuned for this GPU, else ``"accumulate"``). "recompute" normalises the second pass's logits
-    with the first pass's log-sum-exp; the two passes' GEMMs differ in shape and may round a
-    logit differently in its last bit, so its dW carries an error of about one ulp of the
-    largest logit, relative: below the rounding of bf16 logits, above fp32's for logits in the
-    hundreds.
+    Args:
+        input (Tensor): ``[..., H]``; bf16, fp16 or fp32.
+        linear_weight (Tensor): ``[V, H]``; its gradient is skipped when it does not require grad.
+        target (Tensor): ``input.shape[:-1]``, int64 or int32 class indices in ``[0, V)`` or
+            ``ignore_index``.
+        ignore_index (int): a target not counted. Default: -100.
+        reduction (str): ``"mean"``, ``"sum"`` or ``"none"``. Default: ``"mean"``.
+        chunk_size (int, optional): rows of logits held at once. Default: the launch configuration's.
+        weight_grad (str): how a trainable head's gradient is made: ``"accumulate"`` (each chunk's
+            share added into an fp32 ``[V, H]`` buffer), ``"recompute"`` (block by block of the
+            vocabulary in a second pass, no buffer; its dW may differ by about one ulp of the largest
+            logit, relative) or ``"auto"`` (the configuration's). Default: ``"auto"``.
+        config (LaunchConfig, optional): how it is launched. Default: ``launch_config(V, H, dtype)``.
 
-    Out-of-range targets raise ``ValueError`` on the CPU; on a GPU they are checked without a
-    host sync, as a device-side assertion (see ``_check_target``).
+    Returns:
+        Tensor: the loss, a scalar (``"mean"``, ``"sum"``) or of ``target``'s shape (``"none"``), fp32.
+
+    Raises:
+        TypeError: ``input`` or ``linear_weight`` not a bf16/fp16/fp32 tensor, ``target`` not an
+            int64/int32 tensor, ``ignore_index`` or ``chunk_size`` not an int, ``config`` not a
+            ``LaunchConfig``.
+        ValueError: shapes that do not match, an unknown ``reduction`` or ``weight_grad``, a
+            ``chunk_size`` below 1, tensors on different devices, and on the CPU a target out of range
+            (on a GPU that is a device-side assertion, checked without a host sync).
     """
     check_float_tensor("input", input)
     check_float_tensor("linear_weight", linear_weight)
@@ -495,15 +502,16 @@ def linear_cross_entropy(input, linear_weight, target, *, ignore_index: int = -1
     if tuple(target.shape) != tuple(input.shape[:-1]):
         raise ValueError(f"target: expected shape {tuple(input.shape[:-1])} (input without its last "
                          f"dimension), got {tuple(target.shape)}")
-    if reduction not in REDUCTIONS:
+    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
         raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
+    ignore_index = check_int("ignore_index", ignore_index, what="a target not counted")
+    if chunk_size is not None:
+        chunk_size = check_int("chunk_size", chunk_size, minimum=1, what="rows of logits held at once")
     check_kernel_device(input=input, linear_weight=linear_weight, target=target)
     vocab, hidden = linear_weight.shape
     flat_target = target.reshape(-1).to(torch.int64).contiguous()
     _check_target(flat_target, vocab, ignore_index)
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
-    if weight_grad not in WEIGHT_GRADS:
+    if not isinstance(weight_grad, str) or weight_grad not in WEIGHT_GRADS:
         raise ValueError(f"weight_grad: expected one of {WEIGHT_GRADS}, got {weight_grad!r}")
     if config is not None and not isinstance(config, LaunchConfig):
         raise TypeError(f"config: expected a linear_cross_entropy LaunchConfig, got {type(config).__name__}")

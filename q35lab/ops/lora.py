@@ -58,6 +58,7 @@ __all__ = ["lora_linear", "lora_linear_ref", "dropout_mask", "LoRALinearFunction
 
 def lora_linear_ref(x, weight, lora_A, lora_B, scaling, bias=None, dropout=0.0, seed=0):
     """The same math in plain PyTorch, every operand in ``x.dtype`` (the test reference)."""
+    scaling, dropout = _check_scaling("scaling", scaling), _check_dropout("dropout", dropout)
     dtype = x.dtype
     y = torch.nn.functional.linear(x, weight.to(dtype), None if bias is None else bias.to(dtype))
     xa = torch.nn.functional.linear(dropped(x, dropout, seed), lora_A.to(dtype))
@@ -110,20 +111,25 @@ def lora_linear(x, weight, lora_A, lora_B, scaling, bias=None, dropout=0.0):
     """``x·Wᵀ + b + scaling · dropout(x)·Aᵀ·Bᵀ`` as one autograd node, without casting ``x``.
 
     Args:
-        x: ``[..., in_features]``, bf16/fp16/fp32 (cast to the autocast dtype when autocast is on,
-            exactly as ``F.linear`` would).
-        weight: ``[out_features, in_features]``, the base projection (usually frozen).
-        lora_A: ``[r, in_features]``; lora_B: ``[out_features, r]``; any float dtype (fp32
-            master adapters get fp32 gradients).
-        scaling: the adapter scale (``lora_alpha / r``): a finite real number (int, float or a
-            NumPy scalar; a bool or a tensor raises ``TypeError``).
-        bias: optional ``[out_features]``.
-        dropout: probability in [0, 1) applied to the adapter's input only (as PEFT); 0 outside
-            training. A real number, as ``scaling`` (a bool raises ``TypeError``).
+        x (Tensor): ``[..., in_features]``; bf16, fp16 or fp32 (cast to the autocast dtype under
+            autocast, as ``F.linear`` would).
+        weight (Tensor): ``[out_features, in_features]``, the base projection (usually frozen).
+        lora_A (Tensor): ``[r, in_features]``; bf16, fp16 or fp32 (fp32 adapters get fp32 gradients).
+        lora_B (Tensor): ``[out_features, r]``; likewise.
+        scaling (float): the adapter scale (``lora_alpha / r``), a finite real number.
+        bias (Tensor, optional): ``[out_features]``. Default: None.
+        dropout (float): probability in [0, 1) applied to the adapter's input only (as PEFT); 0
+            outside training. Default: 0.
 
-    The output is a tensor of its own (not a view): it may be edited in place, as F.linear's.
-    Any size may be zero (no tokens, no features, rank 0): the result is then what ``F.linear`` gives.
-    Opaque to ``torch.compile``: a graph break; the op runs eagerly with its own autograd node.
+    Returns:
+        Tensor: ``[..., out_features]``, a tensor of its own (not a view: it may be edited in place).
+        Any size may be zero; the result is then what ``F.linear`` gives.
+
+    Raises:
+        TypeError: a tensor argument not a bf16/fp16/fp32 tensor; ``scaling`` or ``dropout`` not a
+            real number (a bool, a string or a tensor).
+        ValueError: shapes that do not match, ``lora_A`` without ``lora_B``, tensors on different
+            devices, ``scaling`` not finite, ``dropout`` outside [0, 1).
     """
     check_float_tensor("x", x)
     for name, t in (("lora_A", lora_A), ("lora_B", lora_B)):

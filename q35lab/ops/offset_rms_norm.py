@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ._autograd import first_order_only
-from ._checks import check_eps, check_float_tensor, check_kernel_device, check_weight
+from ._checks import check_eps, check_float_tensor, check_int, check_kernel_device, check_weight
 from ._compile import opaque_to_compile
 from ._launch import as_rows, persistent_programs
 from ._reduce import sum_partials
@@ -321,12 +321,18 @@ def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) ->
     """Offset RMSNorm: ``y = x·rsqrt(mean(x²)+eps)·(1+w)`` in fp32, rounded once to ``x.dtype``.
 
     Args:
-        x: activations of any leading shape; last dimension = width; bf16, fp16 or fp32.
-        weight: ``[width]``, the offset from a unit scale (zero-initialised in Qwen3.5);
-            any float dtype; its gradient is skipped when it does not require grad.
-        eps: added to the mean square before the square root.
+        x (Tensor): ``[..., width]``; bf16, fp16 or fp32.
+        weight (Tensor): ``[width]``, the offset from a unit scale (zero-initialised in Qwen3.5);
+            bf16, fp16 or fp32. Its gradient is skipped when it does not require grad.
+        eps (float): added to the mean square. Default: ``1e-6``.
 
-    A width of 0 gives what the reference gives: an empty output and empty gradients.
+    Returns:
+        Tensor: of ``x``'s shape and dtype (a width of 0 gives an empty one).
+
+    Raises:
+        TypeError: ``x`` or ``weight`` not a bf16/fp16/fp32 tensor, ``eps`` not a real number.
+        ValueError: ``x`` a scalar or wider than 65536, ``weight`` not ``[width]``, the tensors on
+            different devices (or not on the GPU where kernels run compiled), ``eps`` not finite and > 0.
     """
     check_float_tensor("x", x)
     check_float_tensor("weight", weight)
@@ -341,12 +347,24 @@ def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) ->
 
 
 class OffsetRMSNorm(torch.nn.Module):
-    """Drop-in for transformers' ``Qwen3_5RMSNorm``: same ``weight`` key, zero-initialised."""
+    """Drop-in for transformers' ``Qwen3_5RMSNorm``: ``offset_rms_norm(x, self.weight, self.eps)``,
+    with the same ``weight`` key, zero-initialised.
+
+    Args:
+        hidden_size (int): the width, at least 1.
+        eps (float): added to the mean square, finite and > 0. Default: ``1e-6``.
+        device, dtype: of ``weight``, as for any ``torch.nn`` module.
+
+    Raises:
+        TypeError: ``hidden_size`` not an int, ``eps`` not a real number.
+        ValueError: ``hidden_size`` below 1, ``eps`` not finite and > 0.
+    """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, *, device=None, dtype=None):
         super().__init__()
+        hidden_size = check_int("hidden_size", hidden_size, minimum=1, what="the width")
+        self.eps = check_eps(eps)
         self.weight = torch.nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype))
-        self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return offset_rms_norm(x, self.weight, self.eps)

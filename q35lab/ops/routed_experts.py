@@ -353,14 +353,16 @@ def weighted_swiglu(gate_up: torch.Tensor, weights: torch.Tensor) -> torch.Tenso
 
 
 def _check(x, top_k_index, top_k_weights, gate_up_proj, down_proj) -> None:
-    check_float_tensor("hidden_states", x)
+    check_float_tensor("x", x)
+    if not isinstance(top_k_index, torch.Tensor):
+        raise TypeError(f"top_k_index: expected an integer tensor, got {type(top_k_index).__name__}")
     check_float_tensor("top_k_weights", top_k_weights)
     check_float_tensor("gate_up_proj", gate_up_proj)
     check_float_tensor("down_proj", down_proj)
-    check_kernel_device(hidden_states=x, top_k_index=top_k_index, top_k_weights=top_k_weights,
+    check_kernel_device(x=x, top_k_index=top_k_index, top_k_weights=top_k_weights,
                         gate_up_proj=gate_up_proj, down_proj=down_proj)
     if x.dim() != 2:
-        raise ValueError(f"hidden_states: expected [tokens, hidden], got shape {tuple(x.shape)}")
+        raise ValueError(f"x: expected [tokens, hidden], got shape {tuple(x.shape)}")
     if top_k_weights.shape != top_k_index.shape or top_k_index.dim() != 2 or top_k_index.shape[0] != x.shape[0]:
         raise ValueError(f"top_k_index and top_k_weights: expected both [{x.shape[0]}, k] (one row a token), got "
                          f"{tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}")
@@ -378,10 +380,27 @@ def _check(x, top_k_index, top_k_weights, gate_up_proj, down_proj) -> None:
 @opaque_to_compile
 def routed_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                    gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
-    """``Σ_k w_k · down_e(silu(gate_e(x)) · up_e(x))`` for every token of ``x`` (``[T, hidden]``):
-    ``top_k_index``/``top_k_weights`` (``[T, K]``) from the router, frozen ``gate_up_proj``
-    (``[E, 2I, hidden]``, gate rows first) and ``down_proj`` (``[E, hidden, I]``). Returns
-    ``x``'s dtype; computes in the weights' dtype (as transformers casts to it)."""
+    """A MoE layer's routed experts: ``y_t = Σ_k w_tk · down_e(silu(gate_e(x_t)) · up_e(x_t))``,
+    ``e = top_k_index[t, k]``.
+
+    Grouped GEMMs over tokens sorted by expert; computes in the weights' dtype (as transformers
+    casts to it). The expert weights are frozen: gradients flow to ``x`` and ``top_k_weights``.
+
+    Args:
+        x (Tensor): ``[T, hidden]``; bf16, fp16 or fp32.
+        top_k_index (Tensor): ``[T, K]`` integer expert ids in ``[0, E)``, from the router.
+        top_k_weights (Tensor): ``[T, K]``, the router's weights; bf16, fp16 or fp32.
+        gate_up_proj (Tensor): ``[E, 2I, hidden]``, gate rows first; frozen.
+        down_proj (Tensor): ``[E, hidden, I]``; frozen.
+
+    Returns:
+        Tensor: ``[T, hidden]`` of ``x``'s dtype.
+
+    Raises:
+        TypeError: a float argument not a bf16/fp16/fp32 tensor, ``top_k_index`` not an integer tensor.
+        ValueError: shapes that do not match, an expert id out of range (checked with one host sync),
+            trainable expert weights, tensors on different devices.
+    """
     _check(x, top_k_index, top_k_weights, gate_up_proj, down_proj)
     route = routing(top_k_index, gate_up_proj.shape[0])
     dtype = gate_up_proj.dtype

@@ -417,7 +417,7 @@ class SwiGLUPackedFunction(torch.autograd.Function):
 
 def check_rounding(rounding: object) -> None:
     """Raise ``ValueError`` unless ``rounding`` is one of ``ROUNDINGS``."""
-    if rounding not in ROUNDINGS:
+    if not isinstance(rounding, str) or rounding not in ROUNDINGS:
         raise ValueError(f"rounding: expected one of {ROUNDINGS}, got {rounding!r}")
 
 
@@ -437,7 +437,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, rounding: str = "hf",
             always allocates fresh gradient buffers.
 
     Returns:
-        A new contiguous tensor of ``gate``'s shape and dtype.
+        Tensor: a new contiguous tensor of ``gate``'s shape and dtype.
+
+    Raises:
+        TypeError: ``gate`` or ``up`` not a bf16/fp16/fp32 tensor, ``up`` of another dtype,
+            ``inplace_backward`` not a bool.
+        ValueError: ``up`` of another shape, the tensors on different devices, an unknown ``rounding``.
     """
     check_float_tensor("gate", gate)
     check_float_tensor("up", up)
@@ -459,7 +464,11 @@ def swiglu_packed(gate_up: torch.Tensor, *, rounding: str = "hf", inplace_backwa
             over ``gate_up`` when nothing else can read it again.
 
     Returns:
-        A new contiguous ``[.., I]`` tensor of ``gate_up``'s dtype.
+        Tensor: a new contiguous ``[.., I]`` tensor of ``gate_up``'s dtype.
+
+    Raises:
+        TypeError: ``gate_up`` not a bf16/fp16/fp32 tensor, ``inplace_backward`` not a bool.
+        ValueError: ``gate_up`` a scalar or of an odd width, an unknown ``rounding``.
     """
     check_float_tensor("gate_up", gate_up)
     check_kernel_device(gate_up=gate_up)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ...long_context import enable_checkpointing
+
 #: Qwen3.5 sizes, as torchtitan's ``models/qwen3_5/flavors.py`` and the checkpoints' configs give
 #: them (every fourth layer full attention, attention head dim 256, GatedDeltaNet head dim 128,
 #: vocabulary 248,320). "9b" is transformers' default ``Qwen3_5TextConfig``.
@@ -69,7 +71,7 @@ def build(size: str = "h200", layers: int | None = None, rank: int = 16, device=
                                                        modules_to_save=modules_to_save))
     init_lora_b(model, seed)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)  # use_reentrant=False, through the call the installed transformers offers
     return model
 
 
