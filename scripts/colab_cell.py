@@ -23,10 +23,10 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 #: GPU memory each notebook's GPU sizes need (GiB), the rest 24: 05 times transformers' loss at 32k
 #: (its fp32 logits and their gradients, 98 GB above its inputs on the H200: a smaller GPU runs the
-#: rest and says which cases did not fit); 06 and 08 run only tiny models on the GPU (their 9B
+#: rest and says which cases did not fit); 06, 08 and 09 run only tiny models on the GPU (their 9B
 #: numbers are read from the committed runs).
 NEEDS_GIB = {"05_fused_linear_cross_entropy.ipynb": 100, "06_qwen3_5_end_to_end.ipynb": 8,
-             "08_long_context.ipynb": 8}
+             "08_long_context.ipynb": 8, "09_packed_batches.ipynb": 8}
 
 CELL = '''\
 # Run once on Colab or a fresh GPU box (skipped when the notebooks are tested).
