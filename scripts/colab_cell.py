@@ -28,9 +28,10 @@ NOTEBOOKS = ROOT / "notebooks"
 
 #: GPU memory each notebook's GPU sizes need (GiB), the rest 24: every case of 05 needs an H200's
 #: memory (transformers' loss at 32k keeps its fp32 logits and their gradients, about 98 GB above the
-#: inputs; a smaller GPU runs the other cases and says which did not fit); 06 trains only tiny models
-#: on the GPU (its 9B numbers are read from the committed runs). The README states the same needs.
-NEEDS_GIB = {"05_fused_linear_cross_entropy.ipynb": 100, "06_qwen3_5_end_to_end.ipynb": 8}
+#: inputs; a smaller GPU runs the other cases and says which did not fit); 06, 08 and 09 train only tiny
+#: models on the GPU (their 9B numbers are read from the committed runs). The README states the same needs.
+NEEDS_GIB = {"05_fused_linear_cross_entropy.ipynb": 100, "06_qwen3_5_end_to_end.ipynb": 8,
+             "08_long_context.ipynb": 8, "09_packed_batches.ipynb": 8}
 
 
 def repository_url(pyproject: Path = ROOT / "pyproject.toml") -> str:
