@@ -89,8 +89,8 @@ class Projection:
     dropout: float = 0.0
 
     def __post_init__(self):
-        _check_scaling("scaling", self.scaling)
-        _check_dropout("dropout", self.dropout)
+        check_scaling("scaling", self.scaling)
+        check_dropout("dropout", self.dropout)
 
     @property
     def has_adapter(self) -> bool:

@@ -58,7 +58,7 @@ __all__ = ["lora_linear", "lora_linear_ref", "dropout_mask", "LoRALinearFunction
 
 def lora_linear_ref(x, weight, lora_A, lora_B, scaling, bias=None, dropout=0.0, seed=0):
     """The same math in plain PyTorch, every operand in ``x.dtype`` (the test reference)."""
-    scaling, dropout = _check_scaling("scaling", scaling), _check_dropout("dropout", dropout)
+    scaling, dropout = check_scaling("scaling", scaling), check_dropout("dropout", dropout)
     dtype = x.dtype
     y = torch.nn.functional.linear(x, weight.to(dtype), None if bias is None else bias.to(dtype))
     xa = torch.nn.functional.linear(dropped(x, dropout, seed), lora_A.to(dtype))
