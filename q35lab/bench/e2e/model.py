@@ -64,12 +64,14 @@ def build(size: str = "h200", layers: int | None = None, rank: int = 16, device=
     whose block mask skips the blocks between packed sequences; "eager")."""
     import peft
 
+    from ...hf import versions
+
     model = base_model(size, layers, device, dtype, seed, attention)
     model = peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
                                                        modules_to_save=modules_to_save))
     init_lora_b(model, seed)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        versions.enable_checkpointing(model, use_reentrant=False)
     return model
 
 
