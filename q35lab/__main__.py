@@ -11,8 +11,10 @@
   plots [--data FOLDER]     redraw data/figures/ from the committed CSVs
   plan [--size S | --config C] [--tokens T] [--gpu-gib G] [--host-gib H]
                             how long a Qwen3.5 LoRA step can be here: the longest step the memory
-                            model predicts to fit, or with --tokens the plan for that step, and the
-                            apply_to_qwen3_5(model, long_context=...) call that turns it on
+                            model predicts to fit, or with --tokens (524288, 512k, 1e6) the plan for
+                            that step and, where it does not fit, the longest that does; and the
+                            apply_to_qwen3_5(model, long_context=...) call that turns it on. Says
+                            which GPU and host memory it assumed where no option gave them
   tune OP [OPTIONS...]      on a GPU, time OP's launch configurations and record the fastest for
                             this GPU in q35lab/ops/tuned.json (python -m q35lab tune OP --help)
 
@@ -26,6 +28,8 @@ import argparse
 import math
 import sys
 from pathlib import Path
+
+from ._argtypes import folder, output_folder, real_number, tokens, whole_number
 
 
 def _numerics_table(rows) -> None:
@@ -102,34 +106,22 @@ def _op_name(known: list[str]):
     return parse
 
 
-def _folder(text: str) -> Path:
-    """An argparse type: a folder that exists (a results folder to read)."""
-    path = Path(text)
-    if not path.is_dir():
-        raise argparse.ArgumentTypeError(f"no such folder: {text}")
-    return path
-
-
-def _positive_int(text: str) -> int:
-    """An argparse type: a whole number of at least 1 (tokens, a LoRA rank)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
-    return value
-
-
-def _gibibytes(text: str) -> float:
-    """An argparse type: a memory size in GiB, a finite number of at least 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a size in GiB (a finite number, at least 0), got {text!r}")
-    return value
+def _config_source(text: str) -> str:
+    """An argparse type: a config.json, a folder holding one, or a hub id ("Qwen/Qwen3.5-9B").
+    A name that can only be a local path (absolute, relative with ./ or ../, ~, a .json file,
+    more than one /) must exist: transformers would take it for a hub id and answer about that."""
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise argparse.ArgumentTypeError(f"expected a Qwen3.5 config.json, or a folder or hub id holding one: "
+                                             f"no config.json in the folder {text}")
+        return str(path)
+    if path.is_file():
+        return str(path)
+    if (path.is_absolute() or text.startswith((".", "~")) or text.endswith(".json")
+            or text.strip("/").count("/") != 1 and "/" in text):
+        raise argparse.ArgumentTypeError(f"no such file or folder: {text}")
+    return text  # a hub id: transformers fetches it, or says why it cannot
 
 
 def _parser(known: list[str]) -> argparse.ArgumentParser:
@@ -147,17 +139,18 @@ def _parser(known: list[str]) -> argparse.ArgumentParser:
                                        "smoke correctness checks through the Triton interpreter.")
     bench.add_argument("ops", nargs="*", type=_op_name(known), metavar="OP", help=ops_help)
     bench.add_argument("--quick", action="store_true", help="only the sizes the goals are stated at")
-    bench.add_argument("--out", type=Path, default=None,
+    bench.add_argument("--out", type=output_folder, default=None,
                        help="results folder (default: $Q35LAB_DATA, else the checkout's data/, else ./data)")
-    bench.add_argument("--T", type=int, nargs="+", default=None,
-                       help="only these sizes; the CSV keeps its rows at other sizes (finishing a cut-short sweep)")
+    bench.add_argument("--T", type=tokens(), nargs="+", default=None, metavar="TOKENS",
+                       help="only these sizes (in tokens: 4096, 4k); the CSV keeps its rows at other sizes "
+                            "(finishing a cut-short sweep)")
     check = sub.add_parser("check", help="numerics rule for forward and every gradient",
                            description="The numerics rule for the forward and every gradient; "
                                        "exits 1 when a check of q35lab fails.")
     check.add_argument("ops", nargs="*", type=_op_name(known), metavar="OP", help=ops_help)
     plots = sub.add_parser("plots", help="redraw data/figures from the committed CSVs",
                            description="Redraw <data>/figures from the CSVs under <data>/bench.")
-    plots.add_argument("--data", type=_folder, default=None,
+    plots.add_argument("--data", type=folder, default=None,
                        help="results folder to read (default: $Q35LAB_DATA, else the checkout's data/, else ./data)")
     plan = sub.add_parser("plan", help="how long a Qwen3.5 LoRA step can be on this GPU (or another)",
                           description="The long-context plan of the memory model (q35lab.long_context): "
@@ -167,16 +160,18 @@ def _parser(known: list[str]) -> argparse.ArgumentParser:
     model.add_argument("--size", choices=_dense_sizes(), default=None,
                        help="a dense Qwen3.5 checkpoint's dimensions (default: 9b; the memory model "
                             "does not cover the MoE)")
-    model.add_argument("--config", default=None, metavar="PATH",
+    model.add_argument("--config", type=_config_source, default=None, metavar="PATH",
                        help="a Qwen3.5 config instead: a config.json, or the folder or hub id holding it")
-    plan.add_argument("--tokens", type=_positive_int, default=None, help="plan for a step of this many tokens")
-    plan.add_argument("--gpu-gib", type=_gibibytes, default=None,
+    plan.add_argument("--tokens", type=tokens(), default=None,
+                      help="plan for a step of this many tokens: 524288, 524_288, 512k (k = 1024), 1M (1024²) or 1e6")
+    plan.add_argument("--gpu-gib", type=real_number(0, above=True, what="a size in GiB"), default=None,
                       help="the GPU memory a step may use (default: this machine's CUDA device; "
                            "without one, an H200's 139 GiB)")
-    plan.add_argument("--host-gib", type=_gibibytes, default=None,
+    plan.add_argument("--host-gib", type=real_number(0, above=False, what="a size in GiB"), default=None,
                       help="the host memory the checkpoint offload may take, of which it leaves "
                            "min(16 GiB, a quarter) free (default: what this machine has available; 0: no offload)")
-    plan.add_argument("--rank", type=_positive_int, default=16, help="the LoRA rank on every linear layer (default: 16)")
+    plan.add_argument("--rank", type=whole_number(1), default=16,
+                      help="the LoRA rank on every linear layer (default: 16)")
     from .bench.tune import TUNABLE
 
     tune = sub.add_parser("tune", help="time an op's launch configurations on this GPU and record the fastest",
@@ -185,6 +180,8 @@ def _parser(known: list[str]) -> argparse.ArgumentParser:
     tune.add_argument("op", type=_op_name(list(TUNABLE)), metavar="OP", help=f"the op to tune: {', '.join(TUNABLE)}")
     tune.add_argument("options", nargs=argparse.REMAINDER,
                       help="the op's own options (python -m q35lab tune OP --help)")
+    for command in sub.choices.values():  # a command's own errors print its usage, as argparse's do
+        command.set_defaults(command_parser=command)
     return parser
 
 
@@ -195,7 +192,9 @@ def _dense_sizes() -> list[str]:
 
 
 def _plan(parser: argparse.ArgumentParser, args) -> int:
-    """Print the plan and the call that turns it on; 0 when it is predicted to fit."""
+    """Print what the plan assumes where no option said (this machine's GPU, or an H200's without
+    one; this machine's host memory), the plan, and the call that turns it on, or where a step of
+    --tokens does not fit, the longest that does; 0 when it is predicted to fit."""
     import torch
 
     from . import long_context
@@ -210,31 +209,49 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
         try:
             config = AutoConfig.from_pretrained(args.config)
         except (OSError, ValueError) as error:
-            parser.error(f"--config: expected a Qwen3.5 config.json, or a folder or hub id holding one: {error}")
+            parser.error(f"argument --config: expected a Qwen3.5 config.json, or a folder or hub id holding one: "
+                         f"{error}")
         text = config.get_text_config()
         if getattr(text, "num_experts", None) or not hasattr(text, "linear_num_key_heads"):
-            parser.error(f"--config: expected a dense Qwen3.5 config (the memory model covers those, not the "
-                         f"MoE), got {type(text).__name__}")
+            parser.error(f"argument --config: expected a dense Qwen3.5 config (the memory model covers those, not "
+                         f"the MoE), got {type(text).__name__}")
     if args.gpu_gib is not None:
         gpu = args.gpu_gib * 2**30
     else:  # without CUDA, usable_gpu_bytes plans for an H200
         on_gpu = torch.cuda.is_available()
         gpu = long_context.usable_gpu_bytes("cuda" if on_gpu else None)
-        if not on_gpu:
+        if on_gpu:
+            print(f"Planning for this machine's GPU ({gpu / 2**30:.1f} GiB usable); --gpu-gib plans for another.")
+        else:
             print(f"No CUDA GPU here: planning for an H200 ({gpu / 2**30:.0f} GiB); --gpu-gib plans for another.")
-    host, reserve = None, None
     if args.host_gib is not None:  # another machine's: its reserve by the rule the offload keeps on this one
         host = args.host_gib * 2**30
         reserve = long_context.default_host_reserve(host)
+    else:  # read once: the plan and the longest step that fits are planned against the same
+        host, reserve = long_context.host_memory_available(), long_context.default_host_reserve()
+        print(_host_assumed(host, reserve, h200=args.gpu_gib is None and not torch.cuda.is_available()))
     settings = dict(gpu_bytes=gpu, host_bytes=host, host_reserve_bytes=reserve, lora_rank=args.rank)
     plan = (long_context.longest_planned_step(config, **settings) if args.tokens is None
             else long_context.plan_long_context(config, args.tokens, **settings))
     print(plan)
     if plan.fits:
         print(f"turn it on with: q35lab.apply_to_qwen3_5(model, long_context={plan.tokens})")
-    elif args.tokens is None:
-        print("not even one step fits this GPU")
-    return 0 if plan.fits else 1
+        return 0
+    longest = plan if args.tokens is None else long_context.longest_planned_step(config, **settings)
+    if longest.fits:
+        print(f"the longest step predicted to fit: {longest.tokens:,} tokens (plan it with --tokens {longest.tokens})")
+    else:
+        print(f"not even a step of {longest.tokens:,} tokens fits this GPU")
+    return 1
+
+
+def _host_assumed(host: float | None, reserve: float, h200: bool) -> str:
+    """The line that says which host memory a plan without --host-gib assumed."""
+    if host is None:
+        return "Host memory: unknown here, so the plan offloads nothing; --host-gib gives it."
+    gpu = " (while the GPU is an H200's)" if h200 else ""
+    return (f"Host memory: this machine's{gpu}, {host / 2**30:.1f} GiB available, of which the offload leaves "
+            f"{reserve / 2**30:.1f} GiB free; --host-gib plans for another host.")
 
 
 def _plots(parser: argparse.ArgumentParser, data: Path | None) -> int:
@@ -264,9 +281,9 @@ def main(argv=None) -> int:
 
         return run(args)
     if args.command == "plots":
-        return _plots(parser, args.data)
+        return _plots(args.command_parser, args.data)
     if args.command == "plan":
-        return _plan(parser, args)
+        return _plan(args.command_parser, args)
     if args.command == "tune":
         from .bench import tune
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import math
 import numbers
 import os
@@ -46,6 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .hf import versions
 from .ops._autograd import first_order_only
 from .ops._checks import check_bool, check_int, check_module, check_real
 from .ops._compile import opaque_to_compile
@@ -493,7 +493,7 @@ def _as_is(tensor: torch.Tensor) -> torch.Tensor:
 # module's own pieces (its projections as patched, its conv function, its core, its norm).
 # ----------------------------------------------------------------------------------------------
 #: The keyword arguments under which transformers hands a GatedDeltaNet a cache (by version).
-_CACHE_ARGUMENTS = ("cache", "cache_params", "past_key_values")
+_CACHE_ARGUMENTS = versions.CACHE_ARGUMENTS
 #: ... and packed sequences' boundaries (flash-attention's kwargs; fla's and causal-conv1d's names).
 _PACKING_ARGUMENTS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")
 
@@ -522,41 +522,31 @@ def _modeling_module(gdn: torch.nn.Module):
 def _conv_function(gdn: torch.nn.Module):
     """The causal conv1d the GatedDeltaNet's own forward calls, by transformers' convention
     ``fn(x [B, C, T], weight [C, K], bias, activation=..., **kwargs)``: q35lab's when patched
-    (``conv=True``), else the layer's attribute (transformers < 5.17) or its modeling module's
+    (``conv=True``), else the layer's attribute (transformers < 5.15) or its modeling module's
     function (the causal-conv1d package's, or transformers' PyTorch one). None if there is none."""
     from .patch import _CONV, _CausalConv, _marked
 
     if _marked(gdn, _CONV) is not None:
         return _CausalConv()
-    attribute = vars(gdn).get("causal_conv1d_fn")
+    attribute = versions.layer_conv(gdn)
     if callable(attribute):
         return attribute
-    function = getattr(_modeling_module(gdn), "causal_conv1d_fn", None)
-    return function if callable(function) else None
+    return versions.module_function(_modeling_module(gdn), versions.CONV)
 
 
 def _core_function(gdn: torch.nn.Module):
     """The chunked delta-rule core the GatedDeltaNet's own forward calls: the layer's attribute
-    (transformers < 5.17), else its modeling module's ``torch_chunk_gated_delta_rule`` — fla's
+    (transformers < 5.15), else its modeling module's ``torch_chunk_gated_delta_rule`` — fla's
     ``chunk_gated_delta_rule`` when flash-linear-attention is installed, transformers' PyTorch one
     otherwise (looked up at each call, as the forward does: a timer wrapping it sees the tiles)."""
-    attribute = vars(gdn).get("chunk_gated_delta_rule")
+    attribute = versions.layer_core(gdn)
     if callable(attribute):
         return attribute
-    function = getattr(_modeling_module(gdn), "torch_chunk_gated_delta_rule", None)
-    return function if callable(function) else None
+    return versions.module_function(_modeling_module(gdn), versions.CHUNK_CORE)
 
 
-@functools.cache
-def _forward_repeats_key_heads(cls: type) -> bool:
-    """Whether ``cls.forward`` repeats q and k to the value heads itself (transformers 5.17) rather
-    than leaving it to the core (5.2x: its PyTorch core and fla's take fewer key heads). Read from
-    the source; where there is none, repeat (exact for every core, only less frugal)."""
-    try:
-        source = inspect.getsource(inspect.unwrap(cls.forward))
-    except (OSError, TypeError):
-        return True
-    return "repeat_interleave" in source
+#: Whether a GatedDeltaNet class's forward repeats q and k to the value heads itself (by version).
+_forward_repeats_key_heads = versions.forward_repeats_key_heads
 
 
 def gated_delta_net_problem(gdn: torch.nn.Module) -> str | None:
@@ -573,7 +563,7 @@ def gated_delta_net_problem(gdn: torch.nn.Module) -> str | None:
 class _GatedDeltaNetTile:
     """One tile of a GatedDeltaNet's forward: ``(y, (conv rows, S)) = tile(x, (conv rows, S), span)``.
 
-    What transformers' ``Qwen3_5GatedDeltaNet.forward`` computes (5.17 and 5.2x, without a cache),
+    What transformers' ``Qwen3_5GatedDeltaNet.forward`` computes (5.15 to 5.25, without a cache),
     on the tile's rows, with the module's own pieces::
 
         x            = x · mask[s:e]                          (padding rows zeroed; if a mask is given)
@@ -941,11 +931,9 @@ class TiledGDNForward(_TiledForward):
 
 
 def _checkpoints_the_call() -> bool:
-    """Whether transformers' ``GradientCheckpointingLayer`` checkpoints ``__call__`` (5.17), around an
-    instance's forward, rather than the class's ``forward`` (5.2x), which an instance's forward replaces."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return "__call__" in vars(GradientCheckpointingLayer)
+    """Whether transformers' ``GradientCheckpointingLayer`` checkpoints ``__call__`` (< 5.23), around an
+    instance's forward, rather than the class's ``forward`` (5.23 on), which an instance's forward replaces."""
+    return versions.checkpoints_the_call()
 
 
 class TiledGDNLayerForward(_TiledForward):
@@ -1424,8 +1412,8 @@ class _OffloadedCheckpoint:
     """A decoder layer's gradient-checkpoint function (``layer._gradient_checkpointing_func``) run
     under the offloader's hooks, offloading if the layer is among the first ``count``.
 
-    The checkpoint function is the one entry every transformers version goes through: 5.2x calls
-    it from the class's ``forward``, earlier 5.x from ``GradientCheckpointingLayer.__call__``,
+    The checkpoint function is the one entry every transformers version goes through: 5.23 on calls
+    it from the class's ``forward``, earlier from ``GradientCheckpointingLayer.__call__``,
     *around* the module call — a wrapped instance ``forward`` would run inside the checkpoint
     there, its hooks innermost, and offload every tensor the layer saves (and break the
     recompute, which then saves none). Here the hooks surround the checkpoint call, so the only
@@ -1645,15 +1633,10 @@ def enable_checkpointing(model: torch.nn.Module, **checkpoint_kwargs) -> None:
         TypeError: ``model`` not a transformers model.
     """
     check_module("model", model)
-    checkpoint_kwargs = {"use_reentrant": False, **checkpoint_kwargs}
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(activation_checkpointing_kwargs=checkpoint_kwargs)
-    elif hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
-    else:
+    if not hasattr(model, "gradient_checkpointing_enable"):
         raise TypeError(f"model: expected a transformers model (with gradient_checkpointing_enable), "
                         f"got {type(model).__name__}")
+    versions.enable_checkpointing(model, **{"use_reentrant": False, **checkpoint_kwargs})
 
 
 def _meminfo(field: str) -> int | None:

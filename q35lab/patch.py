@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-import inspect
 import numbers
 import sys
 import types
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import long_context, packed_attention
+from .hf import versions
 # apply_to_qwen3_5's argument long_context hides the module: what it calls by name
 from .long_context import _check_tile_tokens, tile_only_above as _tile_only_above
 from .ops._checks import check_bool, check_module
@@ -427,8 +427,8 @@ def _unfuse_in_proj(module: torch.nn.Module, report: "PatchReport") -> None:
 # output transposed to [B, C, T] and transposes the result back; q35lab's kernel reads the
 # channels-last tensor underneath that view, so neither transpose copies. Where the function
 # lives depends on the transformers version: an attribute of each GatedDeltaNet (None when the
-# causal-conv1d package is missing; transformers < 5.20), or a function of the modeling module
-# (5.20 on), which a patched layer's forward switches to q35lab's for the duration of its call.
+# causal-conv1d package is missing; transformers < 5.15), or a function of the modeling module
+# (5.15 on), which a patched layer's forward switches to q35lab's for the duration of its call.
 # ----------------------------------------------------------------------------------------------
 _CONV = "_q35lab_conv"  # attribute of a GatedDeltaNet whose convolution q35lab computes
 
@@ -436,7 +436,7 @@ _CONV = "_q35lab_conv"  # attribute of a GatedDeltaNet whose convolution q35lab 
 class _CausalConv:
     """``causal_conv1d_fn(x [B, C, T], weight [C, K], bias, activation, ...)`` by q35lab's kernel.
 
-    Packed sequences: transformers passes their boundaries as ``cu_seq_lens_q`` (5.20 on), which
+    Packed sequences: transformers passes their boundaries as ``cu_seq_lens_q`` (5.15 on), which
     the kernel honours; its own fallback ignores them."""
 
     def __call__(self, *args, **kwargs):
@@ -579,9 +579,9 @@ class _SwitchedConvForward(_Forward):
 
 def _conv_style(gdn: torch.nn.Module) -> str | None:
     """"attribute", "module" or None: where this GatedDeltaNet's convolution function lives."""
-    if "causal_conv1d_fn" in vars(gdn):
+    if versions.keeps_kernels_on_the_layer(gdn):
         return "attribute"
-    if callable(getattr(sys.modules[type(gdn).__module__], "causal_conv1d_fn", None)):
+    if versions.module_function(versions.modeling_module(gdn), versions.CONV) is not None:
         return "module"
     return None
 
@@ -590,7 +590,7 @@ def _conv_problem(gdn: torch.nn.Module) -> str | None:
     style = _conv_style(gdn)
     if style is None:
         return "no causal_conv1d_fn in this transformers version"
-    if (vars(gdn).get("causal_conv1d_fn") is not None if style == "attribute"
+    if (versions.layer_conv(gdn) is not None if style == "attribute"
             else _installed("causal_conv1d")):
         return "the causal-conv1d CUDA package runs it"
     return None
@@ -610,8 +610,8 @@ def _patch_conv(gdn: torch.nn.Module, report: "PatchReport") -> None:
     else:
         module = sys.modules[type(gdn).__module__]
         _switch_in(module, "causal_conv1d_fn", _CONV_SWITCHES, _ConvSwitch)
-        if callable(getattr(module, "torch_chunk_gated_delta_rule", None)):
-            _switch_in(module, "torch_chunk_gated_delta_rule", _DELTA_RULE_SWITCHES, _DeltaRuleSwitch)
+        if versions.module_function(module, versions.CHUNK_CORE) is not None:
+            _switch_in(module, versions.CHUNK_CORE, _DELTA_RULE_SWITCHES, _DeltaRuleSwitch)
         _override_forward(gdn, _CONV, _SwitchedConvForward, None, label, report)
 
 
@@ -648,16 +648,14 @@ def _resolved_core(function):
     (``.original``) and transformers' ``use_kernel_func_from_hub_with_fallback`` wrapper, which
     picks an implementation once, at import, and keeps it in its closure as ``implementation``
     (the package's function, or its own PyTorch one when the import failed for any reason)."""
-    function = getattr(function, "original", function)
-    closure = inspect.getclosurevars(function).nonlocals if inspect.isfunction(function) else {}
-    return closure.get("implementation", function)
+    return versions.hub_implementation(getattr(function, "original", function))
 
 
 def _core_groups_key_heads(gdn: torch.nn.Module) -> bool:
     """Whether both cores the forward can call (the chunked one; the recurrent one, for a cached
     decode) are flash-linear-attention's functions, as transformers resolved them."""
     module = sys.modules[type(gdn).__module__]
-    names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+    names = (versions.CHUNK_CORE, versions.RECURRENT_CORE)
     return all(_is_fla_function(_resolved_core(getattr(module, name, None))) for name in names)
 
 
@@ -669,7 +667,7 @@ def _is_fla_function(function) -> bool:
 def _repeats_key_heads(gdn: torch.nn.Module) -> bool:
     """Whether the GatedDeltaNet's forward repeats q and k to the value heads before any core.
 
-    transformers before 5.2x does (``repeat_interleave``, a copy of both, and a sum in the
+    transformers before 5.23 does (``repeat_interleave``, a copy of both, and a sum in the
     backward: 54 ms of a 9B step at 32k); flash-linear-attention's kernels take fewer key heads
     than value heads and read key head ``i // (Hv/Hk)`` for value head ``i``, which is
     ``repeat_interleave``'s own order (fla 0.6: ``chunk_delta_h.py``, ``wy_fast.py``,

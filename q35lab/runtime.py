@@ -75,11 +75,29 @@ def _refuse_without_cuda(reason: str) -> None:
     )
 
 
+#: The modules whose command line prints the notice itself, once its arguments are parsed.
+_COMMAND_LINES = ("q35lab", "q35lab.__main__", "q35lab.e2e")
+
+
+def _module_run_by_python_m() -> str | None:
+    """The module ``python -m`` is starting while runpy locates it (``sys.argv[0]`` is "-m" until
+    then), as the interpreter's own arguments name it (``-m q35lab`` or ``-mq35lab``); else None."""
+    if sys.argv[:1] != ["-m"]:
+        return None
+    arguments = list(getattr(sys, "orig_argv", ()))[1:]
+    for i, argument in enumerate(arguments):
+        if argument == "-m":
+            return arguments[i + 1] if i + 1 < len(arguments) else None
+        if argument.startswith("-m"):
+            return argument[2:]
+    return None
+
+
 def _cli_prints_the_notice() -> bool:
-    """True while ``python -m q35lab`` imports this package (``sys.argv[0]`` is "-m" while runpy
-    locates the module): its command line prints the notice as a plain line, and only for the
-    commands that run kernels, not as a warning with a source line (in ``--help`` too)."""
-    return sys.argv[:1] == ["-m"] and "q35lab" in getattr(sys, "orig_argv", ())
+    """True while ``python -m q35lab`` (or ``q35lab.e2e``) imports this package: its command line
+    prints the notice as a plain line, and only when kernels are about to run, not as a warning
+    with a source line in ``--help`` or a usage error."""
+    return _module_run_by_python_m() in _COMMAND_LINES
 
 
 INTERPRET, _REASON = _choose_interpreter()

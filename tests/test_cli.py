@@ -152,7 +152,8 @@ def test_plan_of_a_saved_config_is_the_plan_of_its_size(capsys, tmp_path):
     config("27b").save_pretrained(tmp_path)
     by_size = _plan(capsys, "--size", "27b", "--gpu-gib", "139", "--host-gib", "128")
     by_config = _plan(capsys, "--config", str(tmp_path), "--gpu-gib", "139", "--host-gib", "128")
-    assert by_size == by_config and by_size[0] == 0
+    by_file = _plan(capsys, "--config", str(tmp_path / "config.json"), "--gpu-gib", "139", "--host-gib", "128")
+    assert by_size == by_config == by_file and by_size[0] == 0
 
 
 def test_plan_without_a_gpu_plans_for_an_h200_and_says_so(capsys):
@@ -167,12 +168,24 @@ def test_plan_without_a_gpu_plans_for_an_h200_and_says_so(capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--tokens", "0"], "argument --tokens: expected a whole number of at least 1, got '0'"),
-    (["--tokens", "1.5"], "argument --tokens: expected a whole number of at least 1, got '1.5'"),
+    (["--tokens", "0"], "argument --tokens: expected at least 1 token, got '0'"),
+    (["--tokens=-5k"], "argument --tokens: expected at least 1 token, got '-5k'"),  # (-5k alone reads as an option)
+    (["--tokens", "1.5"], "argument --tokens: expected a whole number of tokens, got '1.5' (= 1.5)"),
+    (["--tokens", "1e-3"], "argument --tokens: expected a whole number of tokens, got '1e-3' (= 0.001)"),
+    (["--tokens", "0.1k"], "argument --tokens: expected a whole number of tokens, got '0.1k' (= 102.4)"),
+    (["--tokens", "5_"], "argument --tokens: expected a number of tokens (e.g. 524288, 524_288, 512k, 1M or 1e6)"),
+    (["--tokens", "nan"], "argument --tokens: expected a number of tokens (e.g. 524288"),
+    (["--tokens", "1G"], "argument --tokens: expected a number of tokens (e.g. 524288"),
     (["--rank", "-4"], "argument --rank: expected a whole number of at least 1, got '-4'"),
-    (["--gpu-gib", "-1"], "argument --gpu-gib: expected a size in GiB (a finite number, at least 0), got '-1'"),
+    (["--rank", "16.0"], "argument --rank: expected a whole number of at least 1, got '16.0'"),
+    (["--gpu-gib", "0"], "argument --gpu-gib: expected a size in GiB (a finite number, above 0), got '0'"),
+    (["--gpu-gib", "-1"], "argument --gpu-gib: expected a size in GiB (a finite number, above 0), got '-1'"),
     (["--host-gib", "nan"], "argument --host-gib: expected a size in GiB (a finite number, at least 0), got 'nan'"),
-    (["--gpu-gib", "inf"], "argument --gpu-gib: expected a size in GiB (a finite number, at least 0), got 'inf'"),
+    (["--host-gib", "-0.5"], "argument --host-gib: expected a size in GiB (a finite number, at least 0), got '-0.5'"),
+    (["--gpu-gib", "inf"], "argument --gpu-gib: expected a size in GiB (a finite number, above 0), got 'inf'"),
+    (["--config", "/nonexistent.json"], "argument --config: no such file or folder: /nonexistent.json"),
+    (["--config", "./missing"], "argument --config: no such file or folder: ./missing"),
+    (["--config", "a/b/c"], "argument --config: no such file or folder: a/b/c"),
     (["--size", "7b"], "argument --size: invalid choice: '7b'"),
     (["--size", "35b-a3b"], "argument --size: invalid choice: '35b-a3b'"),  # the MoE: not in the memory model
     (["--size", "9b", "--config", "x"], "argument --config: not allowed with argument --size"),
@@ -194,7 +207,16 @@ def test_plan_names_a_config_that_is_missing_or_not_a_dense_qwen3_5(capsys, tmp_
 
     with pytest.raises(SystemExit) as exit_:
         main(["plan", "--config", str(tmp_path), "--gpu-gib", "80"])  # a folder without config.json
-    assert exit_.value.code == 2 and "--config: expected a Qwen3.5 config.json" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "usage: python -m q35lab plan" in err
+    assert f"argument --config: expected a Qwen3.5 config.json, or a folder or hub id holding one: no config.json in " \
+           f"the folder {tmp_path}" in err
+    (tmp_path / "broken.json").write_text("{ not json")
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--config", str(tmp_path / "broken.json"), "--gpu-gib", "80"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "usage: python -m q35lab plan" in err and "broken.json" in err
+    assert "argument --config: expected a Qwen3.5 config.json" in err
     LlamaConfig(num_hidden_layers=2).save_pretrained(tmp_path)
     with pytest.raises(SystemExit) as exit_:
         main(["plan", "--config", str(tmp_path), "--gpu-gib", "80", "--host-gib", "0"])
@@ -204,3 +226,182 @@ def test_plan_names_a_config_that_is_missing_or_not_a_dense_qwen3_5(capsys, tmp_
         main(["plan", "--config", str(tmp_path), "--gpu-gib", "80", "--host-gib", "0"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "not the MoE), got Qwen3_5MoeTextConfig" in err
+
+
+# ---- help and usage errors say nothing else; every option checked for type and range, by name
+
+
+@pytest.mark.parametrize("command, usage", [(["-m", "q35lab.e2e", "--help"], "python -m q35lab.e2e"),
+                                            (["-mq35lab", "plan", "--help"], "python -m q35lab plan")])
+def test_help_prints_no_notice_however_python_is_asked_to_run_it(command, usage):
+    """``-mq35lab`` (no space) and ``-m q35lab.e2e`` printed the interpreter notice as a warning."""
+    env = {k: v for k, v in os.environ.items() if k not in ("Q35LAB_INTERPRET", "TRITON_INTERPRET")}
+    out = subprocess.run([sys.executable, *command], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and out.stderr == "" and out.stdout.startswith(f"usage: {usage}")
+
+
+def test_a_usage_error_prints_the_usage_and_the_error_only():
+    out = _cli("plan", "--tokens", "-5")
+    assert out.returncode == 2 and out.stdout == ""
+    lines = out.stderr.splitlines()
+    assert lines[0].startswith("usage: python -m q35lab plan")
+    assert lines[-1] == "python -m q35lab plan: error: argument --tokens: expected at least 1 token, got '-5'"
+    assert all(line.startswith(" ") for line in lines[1:-1])  # the rest is the usage's continuation
+    e2e = _cli("--T", "4k", "0", "--out", "x.csv", module="q35lab.e2e")
+    assert e2e.returncode == 2 and e2e.stderr.splitlines()[0].startswith("usage: python -m q35lab.e2e")
+    assert e2e.stderr.splitlines()[-1] == "python -m q35lab.e2e: error: argument --T: expected at least 1 token, got '0'"
+    assert "Q35labNotice" not in e2e.stderr and "Q35labNotice" not in out.stderr
+
+
+@pytest.mark.parametrize("argv, module", [
+    (["/venv/bin/python", "-m", "q35lab", "--help"], "q35lab"),
+    (["python", "-mq35lab.e2e"], "q35lab.e2e"),
+    (["python", "-W", "ignore", "-X", "dev", "-m", "q35lab", "plan"], "q35lab"),
+    (["python", "-m"], None),
+])
+def test_the_module_python_m_runs_is_read_from_its_arguments(monkeypatch, argv, module):
+    monkeypatch.setattr(sys, "argv", ["-m", *argv[3:]])  # what runpy shows while it locates the module
+    monkeypatch.setattr(sys, "orig_argv", argv)
+    assert runtime._module_run_by_python_m() == module
+    assert runtime._cli_prints_the_notice() == (module in ("q35lab", "q35lab.e2e"))
+    monkeypatch.setattr(sys, "argv", ["/path/to/q35lab/__main__.py"])  # located: an import from then on warns
+    assert runtime._module_run_by_python_m() is None and not runtime._cli_prints_the_notice()
+
+
+def test_e2e_prints_the_notice_once_when_it_runs_and_never_in_its_variants_processes(monkeypatch, capsys, tmp_path):
+    from q35lab.bench.e2e import cli
+
+    children = []
+    monkeypatch.setattr(runtime, "interpreter_notice", lambda: "the notice")
+    monkeypatch.setattr(cli.subprocess, "run", lambda command: children.append(command) or subprocess.CompletedProcess(command, 0))
+    out = tmp_path / "rows.csv"
+    assert cli.main(["--variants", "peft", "q35lab", "--size", "tiny", "--T", "16", "--out", str(out)]) == 0
+    assert capsys.readouterr().err == "the notice\n" and len(children) == 2
+    assert all("--variant" in child and "-m" in child for child in children)
+    assert cli.main(["--merge-leftovers", "--out", str(out)]) == 0 and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("written, tokens", [
+    ("524288", 524288), ("1e6", 10**6), ("1E6", 10**6), ("512k", 512 * 1024), ("512K", 512 * 1024),
+    ("1M", 2**20), ("1m", 2**20), ("1_000_000", 10**6), ("524_288", 524288), ("1.5k", 1536), ("2.5e5", 250000),
+    ("+32k", 32768), (" 4096 ", 4096), ("0.5M", 2**19),
+])
+def test_tokens_are_written_as_people_write_them(written, tokens):
+    from q35lab.__main__ import _parser
+
+    parser = _parser(KNOWN)
+    assert parser.parse_args(["plan", "--tokens", written]).tokens == tokens
+    assert parser.parse_args(["bench", "--T", written, "64"]).T == [tokens, 64]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bench", "--T", "-5"], "argument --T: expected at least 1 token, got '-5'"),
+    (["bench", "--T", "0"], "argument --T: expected at least 1 token, got '0'"),
+    (["bench", "--T", "7.5"], "argument --T: expected a whole number of tokens, got '7.5' (= 7.5)"),
+    (["bench", "--T"], "argument --T: expected at least one argument"),
+    (["bench", "--out", "{file}"], "argument --out: expected a folder to write results into, got the file {file}"),
+    (["check", "--quick"], "unrecognized arguments: --quick"),
+    (["plots", "--data", "{file}"], "argument --data: no such folder: {file}"),
+])
+def test_every_command_names_a_bad_option(capsys, tmp_path, args, message):
+    from q35lab.__main__ import main
+
+    file = tmp_path / "a_file.csv"
+    file.write_text("x\n")
+    args = [a.format(file=file) for a in args]
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    err = capsys.readouterr().err
+    usage = "usage: python -m q35lab" if "unrecognized" in message else f"usage: python -m q35lab {args[0]}"
+    assert exit_.value.code == 2 and message.format(file=file) in err and usage in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--T", "-5"], "argument --T: expected at least 1 token, got '-5'"),
+    (["--T", "1e-1"], "argument --T: expected a whole number of tokens, got '1e-1' (= 0.1)"),
+    (["--layers", "0"], "argument --layers: expected a whole number of at least 1, got '0'"),
+    (["--size", "9b", "--layers", "33"], "argument --layers: expected at most 32 (9b has that many), got 33"),
+    (["--size", "27b", "--layers", "65"], "argument --layers: expected at most 64 (27b has that many), got 65"),
+    (["--rank", "0"], "argument --rank: expected a whole number of at least 1, got '0'"),
+    (["--steps", "0"], "argument --steps: expected a whole number of at least 1, got '0'"),
+    (["--warmup", "-1"], "argument --warmup: expected a whole number of at least 0, got '-1'"),
+    (["--warmup", "one"], "argument --warmup: expected a whole number of at least 0, got 'one'"),
+    (["--fit-max", "4095"], "argument --fit-max: expected at least 4,096 tokens, got '4095'"),
+    (["--fit-from=-4k"], "argument --fit-from: expected at least 0 tokens, got '-4k'"),
+    (["--fit-step", "1"], "argument --fit-step: expected a step factor (a finite number, above 1), got '1'"),
+    (["--fit-step", "inf"], "argument --fit-step: expected a step factor (a finite number, above 1), got 'inf'"),
+    (["--variants", "bogus"], "argument --variants: invalid choice: 'bogus'"),
+    (["--what", "block"], "argument --what: invalid choice: 'block'"),
+    (["--size", "7b"], "argument --size: invalid choice: '7b'"),
+    (["--batch", "ragged"], "argument --batch: invalid choice: 'ragged'"),
+    (["--attention", "flash"], "argument --attention: invalid choice: 'flash'"),
+    (["--variant", "bogus"], "argument --variant: invalid choice: 'bogus'"),
+    (["--out", "{folder}"], "argument --out: expected a file to write, got the folder {folder}"),
+    ([], "the following arguments are required: --out"),
+])
+def test_e2e_names_a_bad_option(capsys, tmp_path, args, message):
+    from q35lab import e2e
+
+    args = [a.format(folder=tmp_path) for a in args]
+    if "--out" not in args and message != "the following arguments are required: --out":
+        args += ["--out", str(tmp_path / "rows.csv")]
+    with pytest.raises(SystemExit) as exit_:
+        e2e.main(args)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message.format(folder=tmp_path) in err and "usage: python -m q35lab.e2e" in err
+    assert not (tmp_path / "rows.csv").exists()
+
+
+def test_e2e_takes_tokens_as_people_write_them():
+    from q35lab import e2e
+
+    args = e2e._parser().parse_args(["--T", "8k", "32_768", "--fit-max", "1M", "--fit-from", "0", "--out", "x.csv"])
+    assert args.T == [8192, 32768] and args.fit_max == 2**20 and args.fit_from == 0
+
+
+# ---- plan says what it assumed, and where a step does not fit, the longest that does
+
+
+def test_plan_says_which_host_memory_it_assumed_and_the_longest_step_that_fits(capsys, monkeypatch):
+    import random
+
+    from q35lab import long_context
+    from q35lab.bench.e2e.model import config
+
+    host = random.uniform(8, 256) * GIB  # this machine's, as the plan reads it: fresh each run
+    monkeypatch.setattr(long_context, "host_memory_available", lambda: host)
+    gpu = random.uniform(40, 100)
+    code, out = _plan(capsys, "--tokens", "1M", "--gpu-gib", f"{gpu}")
+    lines = out.splitlines()
+    reserve = long_context.default_host_reserve()
+    assert code == 1 and lines[0] == (f"Host memory: this machine's, {host / GIB:.1f} GiB available, of which the "
+                                      f"offload leaves {reserve / GIB:.1f} GiB free; --host-gib plans for another host.")
+    settings = dict(gpu_bytes=gpu * GIB, host_bytes=host, host_reserve_bytes=reserve)
+    assert lines[1] == str(long_context.plan_long_context(config("9b"), 2**20, **settings))
+    longest = long_context.longest_planned_step(config("9b"), **settings)
+    assert longest.fits and longest.tokens < 2**20
+    assert not long_context.plan_long_context(config("9b"), longest.tokens + 1024, **settings).fits
+    assert lines[2:] == [f"the longest step predicted to fit: {longest.tokens:,} tokens (plan it with --tokens "
+                         f"{longest.tokens})"]
+
+
+def test_plan_without_a_gpu_says_the_host_is_this_machines_while_the_gpu_is_an_h200s(capsys, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the plan is for it")
+    from q35lab import long_context
+
+    monkeypatch.setattr(long_context, "host_memory_available", lambda: 20 * GIB)
+    _, out = _plan(capsys, "--size", "27b")
+    lines = out.splitlines()
+    assert lines[0].startswith("No CUDA GPU here: planning for an H200")
+    assert lines[1].startswith("Host memory: this machine's (while the GPU is an H200's), 20.0 GiB available")
+    monkeypatch.setattr(long_context, "host_memory_available", lambda: None)
+    _, out = _plan(capsys, "--size", "27b", "--gpu-gib", "80")
+    assert out.splitlines()[0] == "Host memory: unknown here, so the plan offloads nothing; --host-gib gives it."
+
+
+def test_plan_says_when_not_even_the_shortest_step_fits(capsys):
+    code, out = _plan(capsys, "--tokens", "64k", "--gpu-gib", "1", "--host-gib", "0")
+    assert code == 1 and out.splitlines()[-1] == "not even a step of 1,024 tokens fits this GPU"
+    code, out = _plan(capsys, "--gpu-gib", "1", "--host-gib", "0")
+    assert code == 1 and out.splitlines()[-1] == "not even a step of 1,024 tokens fits this GPU"

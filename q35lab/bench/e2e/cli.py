@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from ... import runtime
+from ..._argtypes import output_file, real_number, tokens, whole_number
 from ..core import read_csv, run_info
 from .kernels import breakdown, profile_step
 from .floor import floor_inputs, step_floor
@@ -244,28 +246,31 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--variants", nargs="+", default=["peft", "peft+liger", "q35lab"], choices=sorted(VARIANTS),
                         metavar="VARIANT", help="what to train, each in a fresh process (default: peft peft+liger q35lab): "
                         + ", ".join(sorted(VARIANTS)))
-    parser.add_argument("--T", type=int, nargs="+", default=[8192, 32768],
-                        help="sequence lengths in tokens, batch 1 (default: 8192 32768)")
+    parser.add_argument("--T", type=tokens(), nargs="+", default=[8192, 32768], metavar="TOKENS",
+                        help="sequence lengths in tokens (8192, 8k), batch 1 (default: 8192 32768)")
     parser.add_argument("--what", default="step", choices=["step", "layer"],
                         help="a whole training step, or one GatedDeltaNet layer forward + backward")
     parser.add_argument("--size", default="h200", choices=[*SIZES, "h200", "tiny"],
                         help="model dimensions: a real Qwen3.5 size, 'h200' (the 9B's dims, --layers layers) or 'tiny'")
-    parser.add_argument("--layers", type=int, default=None,
+    parser.add_argument("--layers", type=whole_number(1), default=None,
                         help="decoder layers (default: all of a real size's, 4 for 'h200' and 'tiny')")
     parser.add_argument("--compile", action="store_true", help="train torch.compile(model) (variant label +compile)")
-    parser.add_argument("--rank", type=int, default=16, help="LoRA rank on every linear layer (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=3, help="measured training steps per size (default: %(default)s)")
-    parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps before them (default: %(default)s)")
+    parser.add_argument("--rank", type=whole_number(1), default=16,
+                        help="LoRA rank on every linear layer (default: %(default)s)")
+    parser.add_argument("--steps", type=whole_number(1), default=3,
+                        help="measured training steps per size (default: %(default)s)")
+    parser.add_argument("--warmup", type=whole_number(0), default=1,
+                        help="unmeasured steps before them (default: %(default)s)")
     parser.add_argument("--fit", action="store_true",
                         help="after --T, search the longest T that fits: from the line through the measured peaks (or "
                         "--fit-from), up a step while it fits, down a step from one that runs out of memory")
-    parser.add_argument("--fit-max", type=int, default=512 * 1024,
+    parser.add_argument("--fit-max", type=tokens(4096), default=512 * 1024, metavar="TOKENS",
                         help="with --fit: the longest size tried, and what variants plan their memory for "
                         "(default: %(default)s)")
-    parser.add_argument("--fit-from", type=int, default=0,
+    parser.add_argument("--fit-from", type=tokens(0), default=0, metavar="TOKENS",
                         help="with --fit: the first guess (default: where the line through the last two fits' peaks "
                         "meets the GPU's memory)")
-    parser.add_argument("--fit-step", type=float, default=1.03,
+    parser.add_argument("--fit-step", type=real_number(1, above=True, what="a step factor"), default=1.03,
                         help="with --fit: the search's step, a factor of the longest fit (at least 4096 tokens; "
                         "default: %(default)s)")
     parser.add_argument("--batch", choices=["packed", "padded"], default=None,
@@ -278,18 +283,21 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--breakdown", action="store_true",
                         help="at each --T, one more step profiled: device time by kernel category and its sources, beside "
                         "the step's floor, in step_breakdown.csv next to --out (steps only)")
-    parser.add_argument("--out", required=True, help="CSV to write; rows of a variant and T measured again replace theirs, others are kept "
+    parser.add_argument("--out", type=output_file, required=True, help="CSV to write; rows of a variant and T measured again replace theirs, others are kept "
                         "(a .jsonl of the same name collects the rows)")
     parser.add_argument("--merge-leftovers", action="store_true",
                         help="only merge the rows that children wrote beside --out (its .jsonl, and the breakdown's) "
                         "and that a parent killed by a time limit left unmerged, then stop")
-    parser.add_argument("--variant", help=argparse.SUPPRESS)  # the child process's one variant
+    parser.add_argument("--variant", choices=sorted(VARIANTS), help=argparse.SUPPRESS)  # the child process's one variant
     return parser
 
 
 def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.size in SIZES and args.layers and args.layers > SIZES[args.size]["layers"]:
+        parser.error(f"argument --layers: expected at most {SIZES[args.size]['layers']} ({args.size} has that many), "
+                     f"got {args.layers}")
     if args.variant:
         _one_variant(args)
         return 0
@@ -297,6 +305,8 @@ def main(argv=None) -> int:
     if absent and not args.merge_leftovers:
         parser.error(f"--variants {' '.join(absent)}: run from a checkout of the repository: peers' recipes live "
                      "in benchmarks/peers/, not in the wheel")
+    if not args.merge_leftovers and runtime.interpreter_notice():  # once, here: the variants' processes say nothing
+        print(runtime.interpreter_notice(), file=sys.stderr)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     lines, breakdown_lines = out.with_suffix(".jsonl"), _breakdown_lines(out)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from ...long_context import enable_checkpointing
-
 #: Qwen3.5 sizes, as torchtitan's ``models/qwen3_5/flavors.py`` and the checkpoints' configs give
 #: them (every fourth layer full attention, attention head dim 256, GatedDeltaNet head dim 128,
 #: vocabulary 248,320). "9b" is transformers' default ``Qwen3_5TextConfig``.
@@ -66,12 +64,14 @@ def build(size: str = "h200", layers: int | None = None, rank: int = 16, device=
     whose block mask skips the blocks between packed sequences; "eager")."""
     import peft
 
+    from ...hf import versions
+
     model = base_model(size, layers, device, dtype, seed, attention)
     model = peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
                                                        modules_to_save=modules_to_save))
     init_lora_b(model, seed)
     if checkpointing:
-        enable_checkpointing(model)  # use_reentrant=False, through the call the installed transformers offers
+        versions.enable_checkpointing(model, use_reentrant=False)
     return model
 
 
