@@ -15,8 +15,9 @@ transformers (``NAME``): given ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (the packin
 ``return_flash_attn_kwargs``, or derived by q35lab from ``position_ids``), on a CUDA
 device, in bf16 or fp16, one row whose queries are its keys, it calls ``varlen_attn``; every other
 call (padding masks, a cache, fp32, a CPU, no boundaries) is transformers' own SDPA function with
-transformers' own SDPA mask, unchanged. With boundaries the mask is not read: they say the same
-thing, as with transformers' flash-attention path.
+transformers' own SDPA mask, unchanged, except that a call with boundaries gets that mask narrowed
+to each sequence (transformers finds packing only in position_ids, and not beside an attention
+mask). On the varlen path the mask is not read: the boundaries say it, as on transformers' flash path.
 """
 
 from __future__ import annotations
@@ -87,6 +88,44 @@ def boundaries_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor,
     return torch.tensor(edges, dtype=torch.int32, device=position_ids.device), longest
 
 
+def boundaries_agree(cu_seq_lens: torch.Tensor, position_ids: torch.Tensor) -> bool:
+    """Whether ``cu_seq_lens`` ([0, s_1, ..., T]) split one row where its ``position_ids`` ([T] or
+    [1, T]) do by ``boundaries_from_positions``' rule (empty sequences aside). One host sync."""
+    positions = position_ids.reshape(-1)
+    length = positions.shape[0]
+    cu = cu_seq_lens.to(device=positions.device, dtype=torch.long).reshape(-1)
+    starts = torch.ones(length + 1, dtype=torch.bool, device=positions.device)
+    starts[1:length] = positions.diff() != 1
+    given = torch.zeros_like(starts)
+    given[cu.clamp(0, length)] = True
+    valid = (cu[0] == 0) & (cu[-1] == length) & (cu.diff() >= 0).all()
+    return bool(valid & torch.equal(given, starts))  # the sync
+
+
+def block_causal_mask(cu_seq_lens: torch.Tensor, length: int, device) -> torch.Tensor:
+    """[1, 1, T, T] boolean, True where a query may see a key: earlier or itself, in its own
+    sequence (``cu_seq_lens[i] : cu_seq_lens[i + 1]``)."""
+    cu = cu_seq_lens.to(device=device, dtype=torch.long).reshape(-1)
+    tokens = torch.arange(length, device=device)
+    sequence = torch.searchsorted(cu[1:], tokens, right=True)  # the sequence each token is in
+    return ((sequence[:, None] == sequence[None, :]) & (tokens[:, None] >= tokens[None, :]))[None, None]
+
+
+def _within_sequences(attention_mask, query, key, cu_seq_lens):
+    """The mask transformers built (None: causal; boolean: True attends; float: added to the
+    scores), narrowed to each query's own sequence: SDPA reads a mask, not boundaries."""
+    if query.shape[0] != 1 or query.shape[2] != key.shape[2]:
+        raise ValueError(f"cu_seq_lens_q: packed sequences come as one row (batch 1) whose queries are its keys "
+                         f"(no cache), got queries {tuple(query.shape)} and keys {tuple(key.shape)}; pass one row, "
+                         "without a cache and with use_cache=False")
+    block = block_causal_mask(cu_seq_lens, query.shape[2], query.device)
+    if attention_mask is None:
+        return block
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & block
+    return attention_mask.masked_fill(~block, torch.finfo(attention_mask.dtype).min)
+
+
 def flash_can_run(query: torch.Tensor) -> bool:
     """Flash attention's requirements of the tensors: a CUDA device, bf16 or fp16."""
     return query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
@@ -127,7 +166,9 @@ def varlen_attention(module, query, key, value, cu_seq_lens, max_length, scaling
 def sdpa_or_varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                              **kwargs):
     """transformers' attention-function interface (``AttentionInterface``): ``varlen_attention``
-    where ``takes_the_varlen_path``, else transformers' ``sdpa_attention_forward`` as it is."""
+    where ``takes_the_varlen_path``, else transformers' ``sdpa_attention_forward``, its mask narrowed
+    to each sequence where the call carries boundaries (``cu_seq_lens_q``): transformers' mask
+    knows them only from position_ids, and only without an attention mask."""
     if takes_the_varlen_path(query, key, dropout, kwargs):
         longest = kwargs.get("max_length_q")
         if longest is None:
@@ -135,6 +176,8 @@ def sdpa_or_varlen_attention(module, query, key, value, attention_mask, dropout:
         return varlen_attention(module, query, key, value, kwargs["cu_seq_lens_q"], longest, scaling), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if isinstance(kwargs.get("cu_seq_lens_q"), torch.Tensor):  # boundaries that transformers' mask may not know
+        attention_mask = _within_sequences(attention_mask, query, key, kwargs["cu_seq_lens_q"])
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 

@@ -1056,20 +1056,34 @@ class _PackedBoundaries:
     ``max_length_q/k``, which the decoder layers pass on to the GatedDeltaNet (``position_ids`` stop
     at the decoder layer); only for one row without an attention mask or a cache, as transformers'
     masks do. A packed row then runs with ``use_cache=False``: with a cache (the default builds
-    one) transformers' full-attention mask ignores the packing. Refused (``ValueError``): a packed
-    row with a cache of the caller's, or in a model whose GatedDeltaNet cannot keep it apart."""
+    one) transformers' full-attention mask ignores the packing. The positions read are those
+    transformers' masks read (``_text_positions``: the text row of the [4, B, T] form too). Refused
+    (``ValueError``): a packed row with a cache of the caller's, or in a model whose GatedDeltaNet
+    cannot keep it apart; packed sequences in a batch of several rows or in [3, B, T] positions
+    (transformers' mask would keep them apart or not at all, the GatedDeltaNet the other way);
+    cu_seq_lens_q that position_ids contradict, or that the full attention would not see."""
 
     def __reduce__(self):  # unpickled in a fresh process: the attention it feeds is registered there too
         return (_packed_boundaries, ())
 
     def __call__(self, module, args, kwargs):
         derived = {}
-        if kwargs.get("cu_seq_lens_q") is None:
-            positions = kwargs.get("position_ids")
-            if (positions is None or positions.dim() != 2 or positions.shape[0] != 1
-                    or kwargs.get("attention_mask") is not None or long_context._has_cache(kwargs)):
+        positions = kwargs.get("position_ids")
+        text = _text_positions(positions)  # what transformers' masks find packing in
+        given = kwargs.get("cu_seq_lens_q")
+        if given is None:
+            if kwargs.get("attention_mask") is not None or long_context._has_cache(kwargs):
+                return None  # transformers' masks look for no packing either
+            if text is None:
+                _refuse_restarting_mrope(positions)
                 return None
-            found = packed_attention.boundaries_from_positions(positions)  # the one sync
+            if text.shape[0] != 1:
+                if bool((text.diff(dim=-1) != 1).any()):  # a sync, for rows of explicit positions only
+                    raise ValueError(f"position_ids: {text.shape[0]} rows, and a row holds packed sequences (its "
+                                     "positions do not step by one); q35lab keeps packed sequences apart in one row "
+                                     "(batch 1): pack them into one row, or pad them with an attention_mask")
+                return None
+            found = packed_attention.boundaries_from_positions(text)  # the one sync
             if found is None:
                 return None  # one sequence: nothing to keep apart
             cu, longest = found
@@ -1077,6 +1091,16 @@ class _PackedBoundaries:
         elif long_context._has_cache(kwargs):
             raise ValueError("cache: a cache continues one sequence a row, and the row holds packed sequences "
                              "(cu_seq_lens_q); call the model without a cache and with use_cache=False")
+        else:
+            if text is not None and text.shape[0] == 1 and not packed_attention.boundaries_agree(given, text):
+                edges = packed_attention.boundaries_from_positions(text)
+                edges = [0, text.shape[-1]] if edges is None else edges[0].tolist()
+                raise ValueError(f"cu_seq_lens_q {given.tolist()} and position_ids (sequences at {edges}: a sequence "
+                                 "starts wherever they do not step by one) split the row differently; pass "
+                                 "boundaries that agree, or only one of them")
+            unseen = _attention_misses_boundaries(module, text is None or kwargs.get("attention_mask") is not None)
+            if unseen:
+                raise ValueError(f"cu_seq_lens_q: {unseen}")
         gdn = next((m for m in module.modules() if _is_gated_delta_net(m)), None)
         problem = None if gdn is None else _packing_problem(gdn)
         if problem:
@@ -1086,6 +1110,43 @@ class _PackedBoundaries:
                           "returns no cache (a cache continues one sequence a row, and transformers' mask would "
                           "let the sequences see each other); pass use_cache=False", stacklevel=2)
         return args, {**kwargs, **derived, "use_cache": False}
+
+
+def _text_positions(positions: torch.Tensor | None) -> torch.Tensor | None:
+    """The [B, T] positions transformers' Qwen3.5 masks read: 2-D ``position_ids``, or the text row
+    (the first) of the [4, B, T] form; None for the [3, B, T] form (rotary rows only) or none."""
+    if positions is None:
+        return None
+    if positions.dim() == 2:
+        return positions
+    if positions.dim() == 3 and positions.shape[0] == 4:
+        return positions[0]
+    return None
+
+
+def _refuse_restarting_mrope(positions: torch.Tensor | None) -> None:
+    """[3, B, T] position_ids carry no text row: transformers' masks then find no packing, and a
+    restart (the temporal row, which never falls within a sequence, falls) would leak silently."""
+    if positions is not None and positions.dim() == 3 and positions.shape[0] == 3 and positions.shape[-1] > 1:
+        if bool((positions[0].diff(dim=-1) < 0).any()):  # a sync, for explicit [3, B, T] positions only
+            raise ValueError("position_ids: the [3, B, T] rotary positions restart within a row (packed "
+                             "sequences), and in this form transformers' attention mask does not find packed "
+                             "sequences; pass the [4, B, T] form (the text positions first, as generate builds "
+                             "them) or the boundaries as cu_seq_lens_q, one row")
+
+
+def _attention_misses_boundaries(stack: torch.nn.Module, mask_misses: bool) -> str | None:
+    """Why the full attention under ``stack`` would not see boundaries given as cu_seq_lens_q, or
+    None. q35lab's implementation and transformers' flash paths read them; the others (SDPA,
+    eager, flex) read transformers' mask, which finds packing only in position_ids, without an
+    attention mask (``mask_misses``: this call has not those)."""
+    layer = next((m for m in stack.modules() if type(m).__name__ in ATTENTION_CLASSES), None)
+    implementation = str(getattr(getattr(layer, "config", None), "_attn_implementation", None))
+    if layer is None or not mask_misses or implementation == packed_attention.NAME or "flash" in implementation:
+        return None
+    return (f"the full attention ({implementation}) keeps packed sequences apart by transformers' mask, which "
+            "finds them only in position_ids and without an attention_mask; pass position_ids that restart at each "
+            "sequence and no attention_mask, or patch with varlen_attention=True")
 
 
 def _packed_boundaries() -> _PackedBoundaries:

@@ -254,3 +254,31 @@ def test_varlen_flash_attention_on_the_gpu_matches_each_sequence_alone(lengths):
     ref, exact = run(torch.bfloat16, reference), run(torch.float64, reference)
     for name, out, r, e in zip(("out", "dq", "dk", "dv"), flash, ref, exact):
         assert_close_by_rule(name, out, r, e)
+
+
+@pytest.mark.parametrize("mask", ["none", "bool", "float"])
+def test_the_sdpa_path_narrows_any_mask_to_the_given_boundaries(mask):
+    """Off the varlen path (here: a CPU), a call with cu_seq_lens_q gets transformers' mask (causal
+    when None, boolean or additive) narrowed to each sequence: per-sequence causal attention."""
+    torch.manual_seed(5)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True
+    lengths = [3, 1, 6, 4]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device())
+    query = torch.randn(1, 4, 14, 16, device=device(), requires_grad=True)
+    key, value = (torch.randn(1, 2, 14, 16, device=device(), requires_grad=True) for _ in range(2))
+    causal = torch.ones(14, 14, dtype=torch.bool, device=device()).tril()[None, None]
+    given = {"none": None, "bool": causal,
+             "float": torch.zeros(1, 1, 14, 14, device=device()).masked_fill(~causal, float("-inf"))}[mask]
+    out, _ = packed_attention.sdpa_or_varlen_attention(module, query, key, value, given, scaling=0.25,
+                                                       cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    expected = per_sequence_attention(*(t[0].transpose(0, 1) for t in (query, key, value)), cu, cu, 6, 6,
+                                      scale=0.25, window_size=(-1, 0), enable_gqa=True)[None]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (query, key, value), grad)
+    for a, b in zip(got, torch.autograd.grad(expected, (query, key, value), grad)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="cu_seq_lens_q: packed sequences come as one row"):
+        packed_attention.sdpa_or_varlen_attention(module, query.expand(2, -1, -1, -1), key.expand(2, -1, -1, -1),
+                                                  value.expand(2, -1, -1, -1), None, cu_seq_lens_q=cu)

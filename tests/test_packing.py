@@ -430,3 +430,75 @@ def test_a_core_replaced_after_an_earlier_patch_is_switched_again(monkeypatch):
     monkeypatch.undo()  # the first switch is back in the module: the next patch takes it up again
     q35lab.apply_to_qwen3_5(_peft_model(seed=7))
     assert patch._DELTA_RULE_SWITCHES[modeling.__name__] is modeling.torch_chunk_gated_delta_rule is original
+
+
+def _call_forms(kwargs):
+    """The packed row's keywords (``pack_sequences``: position_ids, cu_seq_lens_*, max_length_*),
+    rearranged into the other documented ways of stating its sequences."""
+    positions = kwargs["position_ids"]
+    flash = {k: v for k, v in kwargs.items() if k != "position_ids"}
+    mrope = positions[None].expand(3, -1, -1)  # text-only: every rotary row is the text row
+    return {
+        "cu-only": flash,  # the model counts positions 0..T-1 itself: its mask sees one sequence
+        "cu+attention_mask": {**kwargs, "attention_mask": torch.ones_like(positions)},  # masks skip packing then
+        "cu+position_ids[3,B,T]": {**flash, "position_ids": mrope},  # no text row: the mask reads no positions
+        "position_ids[4,B,T]": {"position_ids": torch.cat([positions[None], mrope])},  # text row first
+    }
+
+
+@pytest.mark.parametrize("form", ["cu-only", "cu+attention_mask", "cu+position_ids[3,B,T]", "position_ids[4,B,T]"])
+@pytest.mark.parametrize("build", ["causal_lm", "multimodal"])
+def test_every_way_of_stating_a_packed_row_gives_its_sequences_run_alone_unpatched(form, build):
+    """Boundaries as cu_seq_lens alone or beside an attention mask or [3, B, T] positions (the
+    attention, SDPA on this CPU, narrows transformers' mask to them), or as the text row of
+    [4, B, T] positions (the GatedDeltaNet splits where transformers' mask does)."""
+    import tiny_models
+
+    sequences = [torch.randint(0, TEXT["vocab_size"], (n,), device=device()) for n in (5, 1, 8, 3)]
+    torch.manual_seed(11)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv",
+               "in_proj_z", "out_proj"]  # the text decoder's (all-linear would take the vision tower's too)
+    unpatched = peft.get_peft_model(getattr(tiny_models, build)(),
+                                    peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    with torch.no_grad():
+        for name, p in unpatched.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.2)
+    patched = copy.deepcopy(unpatched)
+    q35lab.apply_to_qwen3_5(patched)
+    ids, labels, kwargs = _packed(sequences)
+    patched.zero_grad(set_to_none=True)
+    loss = patched(input_ids=ids, labels=labels, **_call_forms(kwargs)[form]).loss
+    loss.backward()
+    _assert_same((loss.detach(), _grads(patched)), _one_at_a_time(unpatched, sequences))
+
+
+def test_boundaries_the_attention_or_the_positions_cannot_honour_are_refused_with_what_to_pass():
+    sequences = [torch.randint(0, TEXT["vocab_size"], (n,), device=device()) for n in (4, 6, 3)]
+    ids, labels, kwargs = _packed(sequences)
+    positions = kwargs["position_ids"]
+    model = _peft_model(seed=12)
+    q35lab.apply_to_qwen3_5(model)
+    shifted = kwargs["cu_seq_lens_q"].clone()
+    shifted[1] += 1
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q \[0, 5, 10, 13\] and position_ids \(sequences at "
+                                         r"\[0, 4, 10, 13\].*split the row differently"):
+        model(input_ids=ids, labels=labels, **{**kwargs, "cu_seq_lens_q": shifted, "cu_seq_lens_k": shifted})
+    with pytest.raises(ValueError, match=r"split the row differently"):  # positions of one sequence: still a split
+        model(input_ids=ids, labels=labels, **{**kwargs, "position_ids": torch.arange(13, device=device())[None]})
+    with pytest.raises(ValueError, match=r"\[3, B, T\] rotary positions restart.*pass the \[4, B, T\] form"):
+        model(input_ids=ids, labels=labels, position_ids=positions[None].expand(3, -1, -1))
+    two_rows = torch.cat([positions, positions])
+    with pytest.raises(ValueError, match="position_ids: 2 rows, and a row holds packed sequences"):
+        model(input_ids=torch.cat([ids, ids]), labels=torch.cat([labels, labels]), position_ids=two_rows)
+    plain = _peft_model(seed=12)  # transformers' own SDPA: it reads the mask only
+    q35lab.apply_to_qwen3_5(plain, varlen_attention=False)
+    flash = {k: v for k, v in kwargs.items() if k != "position_ids"}
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q: the full attention \(sdpa\).*varlen_attention=True"):
+        plain(input_ids=ids, labels=labels, **flash)
+    # what it does take: the positions beside them, no attention mask
+    _assert_same(_packed_step(plain, sequences), _one_at_a_time(plain, sequences))
+    # and rows that are not packed run as before, several rows with positions included
+    one = torch.arange(7, device=device())[None]
+    model(input_ids=ids[:, :7].repeat(2, 1), position_ids=one.repeat(2, 1))
+    model(input_ids=ids[:, :7], position_ids=one[None].expand(3, -1, -1))
