@@ -353,9 +353,9 @@ def test_e2e_names_a_bad_option(capsys, tmp_path, args, message):
 
 
 def test_e2e_takes_tokens_as_people_write_them():
-    from q35lab import e2e
+    from q35lab.bench.e2e.cli import _parser
 
-    args = e2e._parser().parse_args(["--T", "8k", "32_768", "--fit-max", "1M", "--fit-from", "0", "--out", "x.csv"])
+    args = _parser().parse_args(["--T", "8k", "32_768", "--fit-max", "1M", "--fit-from", "0", "--out", "x.csv"])
     assert args.T == [8192, 32768] and args.fit_max == 2**20 and args.fit_from == 0
 
 
