@@ -131,7 +131,7 @@ def test_a_cpu_tensor_where_triton_runs_compiled_is_named(monkeypatch):
         ("gate_up", lambda: q35lab.swiglu_packed(torch.randn(rows, 4 * width))),
         ("input", lambda: q35lab.linear_cross_entropy(x, torch.randn(7, width), torch.randint(0, 7, (rows,)))),
         ("x", lambda: q35lab.causal_conv1d(torch.randn(1, rows, width), torch.randn(width, 4))),
-        ("hidden_states", lambda: q35lab.routed_experts(x, torch.randint(0, experts, (rows, 2)), torch.rand(rows, 2),
+        ("x", lambda: q35lab.routed_experts(x, torch.randint(0, experts, (rows, 2)), torch.rand(rows, 2),
                                                         torch.randn(experts, 2 * 8, width),
                                                         torch.randn(experts, width, 8))),
     ]
