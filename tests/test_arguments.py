@@ -14,7 +14,7 @@ import q35lab
 from q35lab import long_context as lc
 from q35lab.ops.fused_projections import Projection
 from q35lab.ops.lora import dropout_mask, lora_linear_ref
-from q35lab.patch import route_lora
+from q35lab.patch.lora import route_lora
 from q35lab.runtime import device
 from tiny_models import TEXT, causal_lm, moe_causal_lm
 
@@ -385,6 +385,5 @@ def test_long_context_lists_what_users_call_and_keeps_every_other_name_importabl
     # what the notebooks, tests and q35lab's own modules import beyond it
     for name in ("GiB", "KiB", "tiled_mlp", "tile_mlp", "untile_mlp", "tile_gated_delta_net", "tile_gated_delta_nets",
                  "tiled_gated_delta_net_layer", "TiledGDNForward", "TiledMLPFunction", "MLP_CLASSES", "PLAN_TILES",
-                 "has_long_context_options", "expandable_segments", "parameter_count", "lora_parameter_count",
-                 "_check_tile_tokens", "_layer_stacks"):
+                 "has_long_context_options", "expandable_segments", "parameter_count", "lora_parameter_count"):
         assert hasattr(lc, name), name

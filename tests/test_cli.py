@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from conftest import patch_everywhere
 
 from q35lab import bench, runtime
 
@@ -369,7 +370,7 @@ def test_plan_says_which_host_memory_it_assumed_and_the_longest_step_that_fits(c
     from q35lab.bench.e2e.model import config
 
     host = random.uniform(8, 256) * GIB  # this machine's, as the plan reads it: fresh each run
-    monkeypatch.setattr(long_context, "host_memory_available", lambda: host)
+    patch_everywhere(monkeypatch, "host_memory_available", lambda: host)
     gpu = random.uniform(40, 100)
     code, out = _plan(capsys, "--tokens", "1M", "--gpu-gib", f"{gpu}")
     lines = out.splitlines()
@@ -388,14 +389,13 @@ def test_plan_says_which_host_memory_it_assumed_and_the_longest_step_that_fits(c
 def test_plan_without_a_gpu_says_the_host_is_this_machines_while_the_gpu_is_an_h200s(capsys, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the plan is for it")
-    from q35lab import long_context
 
-    monkeypatch.setattr(long_context, "host_memory_available", lambda: 20 * GIB)
+    patch_everywhere(monkeypatch, "host_memory_available", lambda: 20 * GIB)
     _, out = _plan(capsys, "--size", "27b")
     lines = out.splitlines()
     assert lines[0].startswith("No CUDA GPU here: planning for an H200")
     assert lines[1].startswith("Host memory: this machine's (while the GPU is an H200's), 20.0 GiB available")
-    monkeypatch.setattr(long_context, "host_memory_available", lambda: None)
+    patch_everywhere(monkeypatch, "host_memory_available", lambda: None)
     _, out = _plan(capsys, "--size", "27b", "--gpu-gib", "80")
     assert out.splitlines()[0] == "Host memory: unknown here, so the plan offloads nothing; --host-gib gives it."
 

@@ -6,9 +6,8 @@ import math
 import pathlib
 import random
 import re
-import sys
-
 import subprocess
+import sys
 import types
 
 import pandas as pd
@@ -16,6 +15,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from conftest import patch_everywhere
 
 import q35lab
 from q35lab import e2e
@@ -373,7 +373,7 @@ def test_long_context_variants_tile_the_mlps_and_offload_what_the_host_holds(mon
     assert any("tiled" in name for name in report.replaced), report
     assert not any("offloaded" in name for name in report.replaced), report
     config = e2e.config("9b")
-    monkeypatch.setattr("q35lab.long_context.host_memory_available", lambda: 125 * 2**30)
+    patch_everywhere(monkeypatch, "host_memory_available", lambda: 125 * 2**30)
     big = types.SimpleNamespace(config=config, parameters=lambda: iter([torch.zeros(1)]))  # a model on the CPU
     planned = q35lab.long_context.plan_offload_layers(config, 512 * 1024, host_bytes=125 * 2**30,
                                                       tiled_mlp_tokens=8192, tiled_gdn_tokens=8192)
@@ -381,7 +381,7 @@ def test_long_context_variants_tile_the_mlps_and_offload_what_the_host_holds(mon
                                                           tiled_gdn_tokens=8192) == planned[0] > 0
     # planned for the model's own GPU: on a smaller one, more layers for a shorter step
     smaller = 79 * 2**30
-    monkeypatch.setattr("q35lab.long_context.usable_gpu_bytes", lambda device=None: smaller)
+    patch_everywhere(monkeypatch, "usable_gpu_bytes", lambda device=None: smaller)
     on_smaller = q35lab.long_context.plan_offload_layers(config, 320 * 1024, gpu_bytes=smaller, host_bytes=125 * 2**30,
                                                          tiled_mlp_tokens=8192, tiled_gdn_tokens=8192)
     on_h200 = q35lab.long_context.plan_offload_layers(config, 320 * 1024, host_bytes=125 * 2**30,
@@ -389,16 +389,16 @@ def test_long_context_variants_tile_the_mlps_and_offload_what_the_host_holds(mon
     assert on_smaller[1] and on_smaller[0] > on_h200[0]
     assert variants.planned_offload_layers(big, 320 * 1024, tiled_mlp_tokens=8192, tiled_gdn_tokens=8192) == on_smaller[0]
     monkeypatch.undo()
-    monkeypatch.setattr("q35lab.long_context.host_memory_available", lambda: 125 * 2**30)
+    patch_everywhere(monkeypatch, "host_memory_available", lambda: 125 * 2**30)
     assert variants.planned_offload_layers(big, 32768, tiled_mlp_tokens=8192, tiled_gdn_tokens=8192) == 0
     # where no fit is predicted, every layer the host holds: the attempt still runs
     assert variants.planned_offload_layers(big, 4 * 2**20, tiled_mlp_tokens=8192) == variants.offloadable_layers(
         big, 4 * 2**20)
     layers = model.config.get_text_config().num_hidden_layers
     per_layer = 4096 * model.config.get_text_config().hidden_size * 2
-    monkeypatch.setattr("q35lab.long_context.host_memory_available", lambda: q35lab.long_context.default_host_reserve() + 2.5 * per_layer)
+    patch_everywhere(monkeypatch, "host_memory_available", lambda: q35lab.long_context.default_host_reserve() + 2.5 * per_layer)
     assert variants.offloadable_layers(model, 4096) == min(layers, 2)
-    monkeypatch.setattr("q35lab.long_context.host_memory_available", lambda: None)
+    patch_everywhere(monkeypatch, "host_memory_available", lambda: None)
     assert variants.offloadable_layers(model, 4096) == layers
     tiled_only = e2e.prepare(_model(), "q35lab+tiled", tokens=16)
     assert not any("offloaded" in name for name in tiled_only.replaced), tiled_only
@@ -931,11 +931,11 @@ def test_a_failed_child_replaces_only_its_own_size_rows(tmp_path, monkeypatch):
 def test_a_recorded_step_failing_with_a_system_error_runs_again_without_the_recompute_early_stop():
     """memory_at_peak's way around pytorch#179536: the step once more with the recompute run to
     each layer's end; a step that works runs once, and other errors are not caught."""
+    import weakref
+
     import torch.utils.checkpoint as checkpointing
 
     from q35lab.bench.e2e.memory import with_full_recompute_on_system_error
-
-    import weakref
 
     seen, first_steps_tensor = [], []
 

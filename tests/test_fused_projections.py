@@ -7,7 +7,12 @@ import q35lab
 from q35lab.long_context import enable_checkpointing
 from q35lab.numerics import assert_close_by_rule
 from q35lab.ops.fused_projections import (
-    ConcatCache, FusedLoRAProjectionsFunction, Projection, fused_lora_projections, fused_lora_projections_ref, pack_rows,
+    ConcatCache,
+    FusedLoRAProjectionsFunction,
+    Projection,
+    fused_lora_projections,
+    fused_lora_projections_ref,
+    pack_rows,
     unpack_rows,
 )
 from q35lab.runtime import device
@@ -442,8 +447,8 @@ def test_the_patched_gated_delta_net_gets_z_in_a_buffer_of_its_own():
 def test_the_patch_packs_the_four_base_weights_and_revert_separates_them(tmp_path):
     """One buffer while patched (no second copy for the fused GEMM); the model saves and loads the
     same weights meanwhile (transformers clones disjoint views of one buffer); revert splits them."""
+    from q35lab.hf.modules import IN_PROJ_NAMES
     from tiny_models import causal_lm
-    from q35lab.patch import IN_PROJ_NAMES
 
     model = causal_lm().requires_grad_(False)  # frozen bases, no adapters: the fusion still applies
     gdn = next(m for m in model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet")

@@ -6,7 +6,7 @@ import torch
 import q35lab
 from q35lab.numerics import assert_close_by_rule
 from q35lab.ops.lora import LoRALinearFunction, dropout_mask, lora_linear, lora_linear_ref
-from q35lab.patch import route_lora
+from q35lab.patch.lora import route_lora
 from q35lab.runtime import device
 from tiny_models import count_forward_calls, recording_backend
 

@@ -11,13 +11,14 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import patch_everywhere
+from test_packing import _one_at_a_time, _packed, _packed_step, _peft_model
 
 import q35lab
 from q35lab import packed_attention
 from q35lab.numerics import assert_close_by_rule
+from q35lab.patch import attention as patch_attention
 from q35lab.runtime import device
-
-from test_packing import _one_at_a_time, _packed, _packed_step, _peft_model
 from tiny_models import TEXT, assert_same_loss_and_grads, causal_lm
 
 
@@ -47,8 +48,8 @@ def stand_in(monkeypatch):
         calls.append(args[3].tolist())
         return per_sequence_attention(*args, **kwargs)
 
-    monkeypatch.setattr(packed_attention, "varlen_attention_function", lambda: recorded)
-    monkeypatch.setattr(packed_attention, "flash_can_run", lambda query: True)
+    patch_everywhere(monkeypatch, "varlen_attention_function", lambda: recorded)
+    patch_everywhere(monkeypatch, "flash_can_run", lambda query: True)
     return calls
 
 
@@ -140,7 +141,7 @@ def test_the_switch_is_reported_reverted_and_left_alone_where_it_does_not_apply(
     report = q35lab.apply_to_qwen3_5(eager)
     assert _implementations(eager) == {"eager"} and "eager" in report.not_applied["varlen_attention"]
 
-    monkeypatch.setattr(packed_attention, "varlen_attention_function", lambda: None)
+    patch_everywhere(monkeypatch, "varlen_attention_function", lambda: None)
     older = causal_lm()
     report = q35lab.apply_to_qwen3_5(older)
     assert _implementations(older) == {"sdpa"}
@@ -215,10 +216,10 @@ def test_the_causal_keyword_follows_the_signature_and_head_groups_are_checked():
     def unknown(q, k, v, cu_q, cu_k, max_q, max_k):
         pass
 
-    assert packed_attention._causal_keyword(newer) == {"window_size": (-1, 0)}
-    assert packed_attention._causal_keyword(first) == {"is_causal": True}
+    assert patch_attention._causal_keyword(newer) == {"window_size": (-1, 0)}
+    assert patch_attention._causal_keyword(first) == {"is_causal": True}
     with pytest.raises(RuntimeError, match="neither window_size nor is_causal"):
-        packed_attention._causal_keyword(unknown)
+        patch_attention._causal_keyword(unknown)
     q, kv = torch.zeros(1, 6, 5, 8), torch.zeros(1, 4, 5, 8)
     with pytest.raises(ValueError, match="6 heads is not a multiple of the 4 key/value heads"):
         packed_attention.varlen_attention(None, q, kv, kv, torch.tensor([0, 5]), 5, 1.0)

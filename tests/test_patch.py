@@ -7,10 +7,11 @@ import pytest
 import torch
 
 import q35lab
-from q35lab.runtime import device
+from q35lab.hf import gated_delta_net as hf_gdn
+from q35lab.hf import modules as hf_modules
 from q35lab.ops.gated_rms_norm import GatedRMSNorm, GatedRMSNormFunction
 from q35lab.ops.offset_rms_norm import OffsetRMSNorm, OffsetRMSNormFunction
-
+from q35lab.runtime import device
 from tiny_models import causal_lm, count_forward_calls, loss_and_grads, moe_causal_lm, multimodal
 
 
@@ -133,10 +134,9 @@ def test_flags_of_later_optimizations_are_reported_not_applied():
 def _skipped_key_repeat(model, reverted: bool = False) -> dict:
     """The report's line for the GatedDeltaNets whose q/k head repeat this machine skips (fla as
     the core on a transformers whose forward repeats: the H200's), asked before patching."""
-    from q35lab import patch
 
-    n = sum(patch._repeats_key_heads(m) and patch._core_groups_key_heads(m)
-            for m in model.modules() if patch._is_gated_delta_net(m))
+    n = sum(hf_gdn.repeats_key_heads(m) and hf_gdn.core_groups_key_heads(m)
+            for m in model.modules() if hf_modules.is_gated_delta_net(m))
     label = "Qwen3_5GatedDeltaNet q/k head repeat" + ("" if reverted else " (skipped: fla's core groups the key heads)")
     return {label: n} if n else {}
 
@@ -346,7 +346,8 @@ def test_mlp_down_projection_runs_its_own_forward_with_dropout_or_a_hook(monkeyp
     """swiglu_down leaves out the down projection's module call: where that call matters (a
     dropout mask on the adapter's input, a forward hook) the module runs, with the SwiGLU node."""
     peft = pytest.importorskip("peft")
-    from q35lab.ops.swiglu import SwiGLUDownFunction, SwiGLUFunction
+    from q35lab.ops.swiglu import SwiGLUFunction
+    from q35lab.ops.swiglu_down import SwiGLUDownFunction
 
     model = peft.get_peft_model(causal_lm(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["down_proj"]))
     q35lab.apply_to_qwen3_5(model)
@@ -408,7 +409,7 @@ def test_with_lora_off_the_down_adapter_keeps_peft_s_forward(monkeypatch):
     """lora=False leaves every adapter's math to PEFT: the down projection's too (its frozen base
     alone, with no adapter, still joins the SwiGLU's node)."""
     peft = pytest.importorskip("peft")
-    from q35lab.ops.swiglu import SwiGLUDownFunction
+    from q35lab.ops.swiglu_down import SwiGLUDownFunction
 
     model = peft.get_peft_model(causal_lm(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["down_proj", "q_proj"]))
     q35lab.apply_to_qwen3_5(model, lora=False)
@@ -448,7 +449,8 @@ def test_merged_adapters_with_adapters_disabled_compute_what_peft_computes():
 def test_mlp_same_loss_and_gradients_through_one_fused_node_and_the_swiglu_kernel(monkeypatch, targets):
     peft = pytest.importorskip("peft")
     from q35lab.ops.fused_projections import FusedLoRAProjectionsFunction
-    from q35lab.ops.swiglu import SwiGLUDownFunction, SwiGLUFunction
+    from q35lab.ops.swiglu import SwiGLUFunction
+    from q35lab.ops.swiglu_down import SwiGLUDownFunction
 
     model = peft.get_peft_model(causal_lm(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", *targets]))
     with torch.no_grad():  # B = 0 at init would hide the adapters' path
@@ -519,14 +521,14 @@ def test_conv_on_a_layer_that_keeps_its_conv_function_as_an_attribute():
 
 
 def test_conv_of_a_packed_batch_does_not_leak_across_sequences():
-    from q35lab.patch import _CausalConv
+    from q35lab.hf.gated_delta_net import CausalConv
 
     C, lengths = 6, [3, 1, 5]
     x = torch.randn(1, C, sum(lengths), device=device())
     weight, bias = torch.randn(C, 4, device=device()), torch.randn(C, device=device())
     cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32, device=device())
-    packed = _CausalConv()(x, weight, bias, activation="silu", cu_seq_lens_q=cu)
-    alone = torch.cat([_CausalConv()(part, weight, bias, activation="silu") for part in x.split(lengths, dim=2)], dim=2)
+    packed = CausalConv()(x, weight, bias, activation="silu", cu_seq_lens_q=cu)
+    alone = torch.cat([CausalConv()(part, weight, bias, activation="silu") for part in x.split(lengths, dim=2)], dim=2)
     torch.testing.assert_close(packed, alone)
 
 
@@ -544,17 +546,16 @@ def test_an_installed_switch_rebuilds_the_type_it_wraps_when_called_without_argu
     """transformers >= 5.25 makes the modeling module's functions `kernels` objects, and unpickles
     one as type(the module's attribute)(): with q35lab's switch installed there, that call must
     give a fresh object of the wrapped type (a plain function is never rebuilt so)."""
-    from q35lab import patch
 
     class KernelFunction:  # the shape of kernels' function objects: called, and rebuilt without arguments
         def __call__(self, x):
             return x + 1
 
-    switch = patch._ConvSwitch.install(KernelFunction())
-    assert isinstance(switch, patch._ConvSwitch) and switch(1) == 2 and switch.active == 0
+    switch = hf_gdn.ConvSwitch.install(KernelFunction())
+    assert isinstance(switch, hf_gdn.ConvSwitch) and switch(1) == 2 and switch.active == 0
     assert isinstance(type(switch)(), KernelFunction)
-    other = patch._DeltaRuleSwitch.install(KernelFunction())
+    other = hf_gdn.DeltaRuleSwitch.install(KernelFunction())
     assert type(other) is not type(switch) and isinstance(type(other)(), KernelFunction)  # a class each
-    plain = patch._ConvSwitch.install(lambda x: x)
+    plain = hf_gdn.ConvSwitch.install(lambda x: x)
     with pytest.raises(TypeError, match="original"):
         type(plain)()

@@ -5,13 +5,12 @@ import copy
 
 import pytest
 import torch
+from conftest import patch_everywhere
+from test_long_context import GDN_TARGETS, MLP_TARGETS, _model, _step
 
 import q35lab
-from q35lab import long_context as lc
 from q35lab.ops import _prepared, fused_projections
 from q35lab.runtime import device
-
-from test_long_context import GDN_TARGETS, MLP_TARGETS, _model, _step
 
 
 def test_outside_a_block_every_call_builds_inside_one_the_same_key_builds_once():
@@ -56,7 +55,7 @@ def test_a_tiled_step_prepares_each_weight_once_a_pass_and_gives_the_step_it_gav
 
         monkeypatch.setattr(fused_projections, "_block_diagonal_b", counted)
         if way == "tiled, unshared":
-            monkeypatch.setattr(lc, "shared_preparations", contextlib.nullcontext)
+            patch_everywhere(monkeypatch, "shared_preparations", contextlib.nullcontext)
         steps[way] = _step(model, ids)
         builds[way] = len(blocks)
         monkeypatch.undo()

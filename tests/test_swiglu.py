@@ -510,7 +510,7 @@ def test_swiglu_down_gives_the_bits_of_lora_linear_after_swiglu(rows, width, out
     output and every gradient are the unfused path's, bit for bit on the CPU (and so the
     reference's by the numerics rule wherever the unfused path is, tests/test_lora.py)."""
     from q35lab.ops.lora import lora_linear
-    from q35lab.ops.swiglu import swiglu_down
+    from q35lab.ops.swiglu_down import swiglu_down
 
     x, w_g, w_u, weight, lora_A, lora_B, b = _down_case(rows, width, out, rank, dtype, adapter, bias)
     dy = torch.randn(rows, out, device=device(), dtype=dtype)
@@ -535,7 +535,7 @@ def test_swiglu_down_gives_the_bits_of_lora_linear_after_swiglu(rows, width, out
 
 
 def test_swiglu_down_keeps_no_h_for_the_backward():
-    from q35lab.ops.swiglu import swiglu_down
+    from q35lab.ops.swiglu_down import swiglu_down
 
     x, w_g, w_u, weight, lora_A, lora_B, _ = _down_case(6, 40, 9, 4, torch.float32, True, False)
     saved = []
@@ -582,7 +582,7 @@ def test_checkpointing_recomputes_no_frozen_down_projection(early_stop, trainabl
     weight saves h for dW, and its GEMM is recomputed; its gradients are the unfused path's."""
     from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-    from q35lab.ops.swiglu import swiglu_down
+    from q35lab.ops.swiglu_down import swiglu_down
 
     x, w_g, w_u, weight, lora_A, lora_B, b = _down_case(6, 40, 9, 4, torch.float32, adapter, bias)
     weight.requires_grad_(trainable)
@@ -609,7 +609,7 @@ def test_a_gradient_for_the_down_weight_alone_runs_no_swiglu_backward():
     """The first node gets W detached, so a gradient asked for W alone does not run its backward:
     no h gradient ([T, I]), no SwiGLU backward; the gradient is the unfused path's."""
     from q35lab.ops.lora import lora_linear
-    from q35lab.ops.swiglu import swiglu_down
+    from q35lab.ops.swiglu_down import swiglu_down
 
     x, w_g, w_u, weight, lora_A, lora_B, _ = _down_case(6, 40, 9, 4, torch.float32, True, False)
     weight.requires_grad_(True)
@@ -631,7 +631,7 @@ def test_a_gradient_for_the_down_weight_alone_runs_no_swiglu_backward():
 def test_an_in_place_edit_of_the_down_weight_before_the_backward_raises():
     """W is saved (detached, sharing its version counter): editing it in place between the forward
     and the backward is caught, as for any autograd op, rather than read silently."""
-    from q35lab.ops.swiglu import swiglu_down
+    from q35lab.ops.swiglu_down import swiglu_down
 
     x, w_g, w_u, weight, lora_A, lora_B, _ = _down_case(6, 40, 9, 4, torch.float32, True, False)
     y = swiglu_down(x @ w_g, x @ w_u, weight, lora_A, lora_B, 2.0)
@@ -648,7 +648,7 @@ def test_the_down_projections_input_gradient_is_made_after_the_recompute():
     second node that made dh in its own backward, before the recompute, would put it second)."""
     from torch.utils.checkpoint import checkpoint
 
-    from q35lab.ops.swiglu import swiglu_down
+    from q35lab.ops.swiglu_down import swiglu_down
 
     x, w_g, w_u, weight, lora_A, lora_B, _ = _down_case(6, 40, 9, 4, torch.float32, True, False)
     order = []
@@ -670,7 +670,7 @@ def test_the_down_projections_input_gradient_is_made_after_the_recompute():
 
 
 def test_swiglu_down_errors_name_the_argument():
-    from q35lab.ops.swiglu import swiglu_down
+    from q35lab.ops.swiglu_down import swiglu_down
 
     g = u = torch.randn(3, 10, device=device())
     w = torch.randn(4, 10, device=device())
@@ -692,7 +692,7 @@ def test_swiglu_down_errors_name_the_argument():
 def test_broadcast_rows_of_one_buffer_are_not_a_pair(op):
     """gate and up expanded from one [1, 2I] row (row stride 0): not two blocks side by side, and
     their gradients are the reference's (summed over the broadcast rows)."""
-    from q35lab.ops.swiglu import swiglu_down
+    from q35lab.ops.swiglu_down import swiglu_down
 
     base = torch.randn(1, 20, device=device(), requires_grad=True)
     weight = torch.randn(3, 10, device=device())

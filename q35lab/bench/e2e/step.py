@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from ...patch import IN_PROJ_NAMES
+from ...hf.modules import IN_PROJ_NAMES
 from .packing import sft_batch
 from .timer import RegionTimer, _Stamp
 
