@@ -25,7 +25,8 @@ from q35lab.long_context import memory as lc_memory
 from q35lab.long_context import offload as lc_offload
 from q35lab.long_context import tiles as lc_tiles
 from q35lab.numerics import assert_close_by_rule
-from q35lab.ops.swiglu_down import swiglu_down
+from q35lab.ops.causal_conv1d import causal_conv1d
+from q35lab.ops.swiglu_down import is_unread, swiglu_down, unread_down_outputs
 from q35lab.runtime import device
 from tiny_models import TEXT, assert_same_loss_and_grads, causal_lm
 
@@ -159,7 +160,7 @@ def test_a_patched_tiled_mlp_recomputes_each_tile_without_its_down_gemm_and_keep
     q35lab.apply_to_qwen3_5(model)
     assert lc.tile_mlps(model, 4) == 2
     verdicts = []
-    real = lc.is_unread
+    real = is_unread
     patch_everywhere(monkeypatch, "is_unread", lambda y, skipped: verdicts.append((len(skipped), real(y, skipped))) or
                         verdicts[-1][1])
     got = _step(model, ids)
@@ -201,16 +202,14 @@ def test_a_tile_whose_output_is_not_the_unread_down_projection_is_recomputed_in_
 
 
 def test_is_unread_accepts_the_skipped_output_or_a_whole_view_of_it_and_nothing_written_or_partial():
-    from q35lab.ops import swiglu as sw
-
     gate, up = torch.randn(6, 8, device=device()), torch.randn(6, 8, device=device())
     weight = torch.randn(5, 8, device=device())
-    with sw.unread_down_outputs() as skipped:
+    with unread_down_outputs() as skipped:
         y = swiglu_down(gate.requires_grad_(), up, weight)
-    assert len(skipped) == 1 and sw.is_unread(y, skipped) and sw.is_unread(y.view(30), skipped)
-    assert not sw.is_unread(y[:3], skipped) and not sw.is_unread(y * 1, skipped)
+    assert len(skipped) == 1 and is_unread(y, skipped) and is_unread(y.view(30), skipped)
+    assert not is_unread(y[:3], skipped) and not is_unread(y * 1, skipped)
     y.add_(1)
-    assert not sw.is_unread(y, skipped)
+    assert not is_unread(y, skipped)
     z = swiglu_down(gate, up, weight)  # outside the context: computed
     torch.testing.assert_close(z, (torch.nn.functional.silu(gate) * up) @ weight.t())
 
@@ -875,7 +874,7 @@ def test_tiled_gated_delta_net_patched_by_q35lab_fused_in_proj_triton_conv_and_g
     ref, ref64 = _gdn_outputs(gdn, x, w, None), _gdn_outputs(gdn64, x, w, None, torch.float64)
     assert len(wrapped) == 1  # the untiled patched forward: one call
     # q35lab's conv reads each carry as its initial rows (no concatenation of the carry and the tile)
-    carried, conv = [], lc.causal_conv1d
+    carried, conv = [], causal_conv1d
     patch_everywhere(monkeypatch, "causal_conv1d", lambda *a, **k: carried.append(k["initial_rows"] is not None) or conv(*a, **k))
     out = _gdn_outputs(gdn, x, w, 2)  # tiles shorter than K − 1: a carry holds rows of two tiles
     assert len(wrapped) == 1 + 2 * 4  # 4 tiles, each in the forward and again in the backward
@@ -1483,7 +1482,7 @@ def test_the_tiled_layers_carries_are_hidden_from_the_offload_and_freed_by_its_b
         return out, kept
 
     with pytest.MonkeyPatch.context() as patched:
-        patched.setattr(lc, "_run_tiles", run_tiles)
+        patch_everywhere(patched, "_run_tiles", run_tiles)
         model.zero_grad(set_to_none=True)
         loss = model(input_ids=ids, labels=ids).loss
         assert len(carries) == 2 * 2 and all(ref() is not None for ref in carries)  # tiles 2 and 3: (conv rows, S)
@@ -1546,7 +1545,7 @@ def test_the_tiled_layers_recompute_leaves_its_mlps_down_gemm_out_and_keeps_ever
     model = _model()
     q35lab.apply_to_qwen3_5(model, tiled_gdn=4)
     verdicts = []
-    real = lc.is_unread
+    real = is_unread
     patch_everywhere(monkeypatch, "is_unread", lambda y, skipped: verdicts.append((len(skipped), real(y, skipped))) or
                         verdicts[-1][1])
     got = _step(model, ids)

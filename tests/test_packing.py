@@ -188,7 +188,7 @@ def test_the_packed_batches_line_says_what_a_packed_row_gets(conv):
     unpatched = _peft_model(seed=2)
     patched = copy.deepcopy(unpatched)
     line = q35lab.apply_to_qwen3_5(patched, conv=conv).runs["packed batches"]
-    if not hf_gdn.installed("causal_conv1d"):  # without the package, only q35lab's conv keeps them apart
+    if not hf_gdn.package_installed("causal_conv1d"):  # without the package, only q35lab's conv keeps them apart
         assert line.startswith("sequences kept apart") == conv
     if line.startswith("sequences kept apart"):
         alone = _one_at_a_time(unpatched, sequences)
@@ -248,7 +248,7 @@ def test_the_per_sequence_delta_rule_checks_its_boundaries(fla_installed, monkey
 
     from q35lab.hf.gated_delta_net import _PerSequenceDeltaRule
 
-    patch_everywhere(monkeypatch, "installed", lambda package: fla_installed or importlib.util.find_spec(package))
+    patch_everywhere(monkeypatch, "package_installed", lambda package: fla_installed or importlib.util.find_spec(package))
 
     rule = _PerSequenceDeltaRule(modeling.torch_chunk_gated_delta_rule)
     q = torch.randn(1, 7, 2, 8, device=device())
@@ -394,7 +394,7 @@ def test_the_report_asks_which_core_transformers_resolved_not_whether_fla_is_ins
     """fla installed, transformers' PyTorch core resolved all the same (fla's import failed in
     transformers): the report says the PyTorch core runs, never that fla's does."""
 
-    patch_everywhere(monkeypatch, "installed", lambda package: package == "fla" or importlib.util.find_spec(package))
+    patch_everywhere(monkeypatch, "package_installed", lambda package: package == "fla" or importlib.util.find_spec(package))
     patch_everywhere(monkeypatch, "_is_fla_function", lambda function: False)  # whatever transformers resolved
     report = q35lab.apply_to_qwen3_5(_peft_model(seed=4))
     assert "PyTorch fallback" in report.runs["delta-rule core"] and "did not take" in report.runs["delta-rule core"]

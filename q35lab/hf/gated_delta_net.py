@@ -174,7 +174,7 @@ def conv_problem(gdn: torch.nn.Module) -> str | None:
     if style is None:
         return "no causal_conv1d_fn in this transformers version"
     if (versions.layer_conv(gdn) is not None if style == "attribute"
-            else installed("causal_conv1d")):
+            else package_installed("causal_conv1d")):
         return "the causal-conv1d CUDA package runs it"
     return None
 
@@ -228,7 +228,7 @@ def repeats_key_heads(gdn: torch.nn.Module) -> bool:
 
 
 @functools.cache
-def installed(package: str) -> bool:
+def package_installed(package: str) -> bool:
     """Whether ``package`` can be imported: asked once a process (the delta-rule switch asks at every
     call, and a lookup walks sys.path)."""
     return importlib.util.find_spec(package) is not None

@@ -20,7 +20,7 @@ from ..hf.gated_delta_net import (
     conv_style,
     core_groups_key_heads,
     core_is_fla,
-    installed,
+    package_installed,
     packing_problem,
     repeats_key_heads,
     switch_in,
@@ -100,7 +100,7 @@ def delta_rule_core(gdn: torch.nn.Module) -> str:
     """Which delta-rule core this GatedDeltaNet will run, and what to install when it is slow."""
     if not core_is_fla(gdn):
         fix = ("transformers did not take the installed flash-linear-attention (its import failed when the "
-               "modeling module was imported: import fla to see why)" if installed("fla")
+               "modeling module was imported: import fla to see why)" if package_installed("fla")
                else "pip install flash-linear-attention (on Hopper with Triton >= 3.7.1)")
         return (f"transformers' PyTorch fallback, far slower than fla's (`python -m q35lab bench delta_rule` "
                 f"measures both): {fix}")
