@@ -11,22 +11,16 @@ ORIGINAL = "_q35lab_original"  # attribute of a patched module: the module it re
 
 
 def marked(module: torch.nn.Module, marker: str):
-    """The value q35lab stored on this very module under ``marker`` (None if absent).
-
-    Read from the module's own ``__dict__``: wrappers such as PeftModel forward attribute
-    look-ups to the model inside, so ``hasattr`` would see the inner model's mark.
-    """
+    """The value q35lab stored on this very module under ``marker`` (None if absent), read from its
+    own ``__dict__``: PeftModel forwards attribute look-ups to the model inside."""
     return vars(module).get(marker)
 
 
 class Forward:
-    """The instance-level ``forward`` q35lab gives a module (``nn.Module.__call__`` prefers it).
+    """The instance-level ``forward`` q35lab gives a module; subclasses implement ``__call__``.
 
-    An object that holds its module rather than a closure over it: ``copy.deepcopy`` then gives
-    the copy a forward bound to the copied module (deepcopy's memo maps one to the other), and
-    ``pickle``/``torch.save`` store it by its class's name. ``inspect.signature`` follows
-    ``__wrapped__`` to the class's own forward, so Trainer still sees the forward's arguments.
-    Subclasses implement ``__call__``.
+    An object holding its module, not a closure, so deepcopy rebinds it to the copy and pickle stores
+    it by class name; ``__wrapped__`` lets ``inspect.signature`` (Trainer) see the class's arguments.
     """
 
     __name__ = "forward"

@@ -1,10 +1,7 @@
-"""The GatedDeltaNet's causal conv and delta-rule core: which functions its forward calls, and the
-switches through which q35lab replaces them for one layer's call.
+"""The GatedDeltaNet's causal conv and delta-rule core, and the switches that replace them.
 
-transformers' ``Qwen3_5GatedDeltaNet.forward`` calls module-level functions (``causal_conv1d_fn``,
-``torch_chunk_gated_delta_rule``) of its modeling module. q35lab swaps such a function, for the
-duration of one patched layer's call only, for a switch that runs q35lab's conv (or the delta
-rule one packed sequence at a time) when that layer is the caller, and the original otherwise."""
+The forward calls module-level functions of its modeling module; a switch installed there runs
+q35lab's version while a patched layer is the caller and the original otherwise."""
 
 from __future__ import annotations
 
@@ -26,10 +23,8 @@ CONV = "_q35lab_conv"  # attribute of a GatedDeltaNet whose convolution q35lab c
 
 
 class CausalConv:
-    """``causal_conv1d_fn(x [B, C, T], weight [C, K], bias, activation, ...)`` by q35lab's kernel.
-
-    Packed sequences: transformers passes their boundaries as ``cu_seq_lens_q`` (5.15 on), which
-    the kernel honours; its own fallback ignores them."""
+    """``causal_conv1d_fn(x [B, C, T], weight [C, K], bias, activation, ...)`` by q35lab's kernel,
+    which honours packed boundaries (``cu_seq_lens_q``)."""
 
     def __call__(self, *args, **kwargs):
         names = ("hidden_states", "weight", "bias", "activation")
@@ -45,8 +40,7 @@ class CausalConv:
         return y.transpose(1, 2)
 
 
-#: The switch installed in each modeling module, by module name (a timer or another patch may
-#: wrap the module's function afterwards; the layers find their switch here, not by that name).
+#: The switch installed in each modeling module, by module name: a later wrapper may hide it.
 CONV_SWITCHES: dict = {}
 
 
@@ -58,17 +52,14 @@ class ConvSwitch:
 
     def __new__(cls, *args, **kwargs):
         if not args and not kwargs and cls._rebuild is not None:
-            # transformers >= 5.25 makes these functions `kernels` objects, and a model pickled with
-            # them is unpickled by calling type(the module's attribute)() — this switch's class now:
-            # give back a fresh object of the type the switch wraps, as it would have been
+            # unpickling a `kernels` object calls type(the module's attribute)(), i.e. this class
             return cls._rebuild()
         return super().__new__(cls)
 
     @classmethod
     def install(cls, original):
-        """A switch around ``original``, of a class of its own that rebuilds ``original``'s type
-        when called without arguments (what `kernels`' unpickling does; a plain function's type
-        cannot be called so, and is never asked to)."""
+        """A switch around ``original``, of its own class that rebuilds ``original``'s type when
+        called without arguments."""
         rebuild = None if isinstance(original, types.FunctionType) else staticmethod(lambda: type(original)())
         own = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
                                           "_rebuild": rebuild})
@@ -87,10 +78,10 @@ class ConvSwitch:
 
 
 class DeltaRuleSwitch(ConvSwitch):
-    """Installed as a modeling module's ``torch_chunk_gated_delta_rule``: per sequence of a packed
-    row while a patched GatedDeltaNet's forward runs (``_PerSequenceDeltaRule``), as it was otherwise."""
+    """Installed as a modeling module's ``torch_chunk_gated_delta_rule``: per packed sequence while a
+    patched GatedDeltaNet runs (``_PerSequenceDeltaRule``), the original otherwise."""
 
-    fla_core = None  # whether the wrapped function resolves to fla's (asked at the first call)
+    fla_core = None  # whether the wrapped function resolves to fla's
 
     def replacement(self):
         if self.fla_core is None:  # asked once: transformers resolves its core at import
@@ -99,16 +90,10 @@ class DeltaRuleSwitch(ConvSwitch):
 
 
 class _PerSequenceDeltaRule:
-    """transformers' PyTorch ``torch_chunk_gated_delta_rule`` takes ``cu_seqlens`` and ignores it:
-    in a packed row each sequence's recurrent state would flow into the next. Given boundaries, this
-    runs the function once per sequence (a slice of the [1, T, ...] inputs; its initial state, if
-    any, the sequence's row of ``initial_state``) and concatenates the outputs along T; the final
-    states, when asked for, are stacked one per sequence, as flash-linear-attention returns them.
-    Without boundaries, or when the wrapped function is fla's (``fla_core``: its kernel honours
-    them), the function runs as it is. Whether fla is installed does not decide it: transformers may
-    have resolved its PyTorch function all the same. When the function is fla's, q, k and v reach it
-    contiguous, copied by ``contiguous_rows``: the forward splits them out of the convolution's
-    output as strided views, which fla would copy at a third of the copy rate."""
+    """The delta rule run once per sequence of a packed [1, T, ...] row, outputs concatenated along T
+    and final states stacked one per sequence: transformers' PyTorch core ignores ``cu_seqlens`` and
+    would carry one sequence's state into the next. fla's core (``fla_core``) honours them and runs
+    as it is, on q, k, v made contiguous by ``contiguous_rows`` (faster than fla's own copy)."""
 
     def __init__(self, original, fla_core: bool = False):
         self.original = original
@@ -122,7 +107,7 @@ class _PerSequenceDeltaRule:
                                  **kwargs)
         if query.shape[0] != 1:
             raise ValueError(f"cu_seqlens: packed sequences come in one row (batch 1), got batch {query.shape[0]}")
-        bounds = cu_seqlens.tolist()  # one host sync per layer call: the fallback is slow anyway
+        bounds = cu_seqlens.tolist()  # a host sync, acceptable on this slow fallback path
         if bounds[0] != 0 or bounds[-1] != query.shape[1] or any(b > e for b, e in zip(bounds, bounds[1:])):
             raise ValueError(f"cu_seqlens: expected 0 = c0 <= c1 <= ... = {query.shape[1]} (the row's tokens), "
                              f"got {bounds}")
@@ -137,16 +122,14 @@ class _PerSequenceDeltaRule:
         return torch.cat(outputs, dim=1), final
 
 
-#: The delta-rule switch installed in each modeling module, by module name (as for the conv).
+#: The delta-rule switch installed in each modeling module, by module name.
 DELTA_RULE_SWITCHES: dict = {}
 
 
 @contextlib.contextmanager
 def switched_to_q35lab(gdn: torch.nn.Module):
-    """While the block runs, the GatedDeltaNet's modeling module calls q35lab's convolution and
-    delta-rule wrapper (``_PerSequenceDeltaRule``: packed boundaries honoured, q, k, v copied by
-    ``contiguous_rows`` for fla) where this layer's conv is patched by its module's switches;
-    nothing changes for a layer that is not (or is patched through its own attribute)."""
+    """Within the block, this layer's modeling module calls q35lab's conv and per-sequence delta rule
+    if the layer's conv is patched through the module's switches; otherwise nothing changes."""
     switches = []
     if marked(gdn, CONV) not in (None, "attribute"):  # patched through its module's switches
         name = type(gdn).__module__
@@ -180,11 +163,9 @@ def conv_problem(gdn: torch.nn.Module) -> str | None:
 
 
 def switch_in(module, attribute: str, registry: dict, kind: type) -> None:
-    """Make ``registry[module]`` a switch the modeling module calls: the registered one while the
-    module's function is still it; a switch found there (put back by whoever replaced it); else a
-    new one around what the module calls now. The last covers a function replaced after an
-    earlier patch (another library, a monkeypatch undone): the layers would otherwise toggle a
-    switch nothing calls, and packed sequences would leak while the report said they do not."""
+    """Make ``registry[module]`` a switch that ``module.attribute`` really is: the registered one,
+    one found there, or a new one around the current function (if someone replaced ours, toggling a
+    switch nothing calls would silently leak packed sequences)."""
     current = getattr(module, attribute)
     if registry.get(module.__name__) is current:
         return
@@ -195,16 +176,13 @@ def switch_in(module, attribute: str, registry: dict, kind: type) -> None:
 
 
 def _resolved_core(function):
-    """The function a modeling module's delta-rule name really calls: through q35lab's switch
-    (``.original``) and transformers' ``use_kernel_func_from_hub_with_fallback`` wrapper, which
-    picks an implementation once, at import, and keeps it in its closure as ``implementation``
-    (the package's function, or its own PyTorch one when the import failed for any reason)."""
+    """The function a delta-rule name really calls, through q35lab's switch (``.original``) and
+    transformers' hub wrapper (which fixes its ``implementation`` at import)."""
     return versions.hub_implementation(getattr(function, "original", function))
 
 
 def core_groups_key_heads(gdn: torch.nn.Module) -> bool:
-    """Whether both cores the forward can call (the chunked one; the recurrent one, for a cached
-    decode) are flash-linear-attention's functions, as transformers resolved them."""
+    """Whether both cores the forward can call (chunked, and recurrent for cached decode) are fla's."""
     module = sys.modules[type(gdn).__module__]
     names = (versions.CHUNK_CORE, versions.RECURRENT_CORE)
     return all(_is_fla_function(_resolved_core(getattr(module, name, None))) for name in names)
@@ -218,19 +196,14 @@ def _is_fla_function(function) -> bool:
 def repeats_key_heads(gdn: torch.nn.Module) -> bool:
     """Whether the GatedDeltaNet's forward repeats q and k to the value heads before any core.
 
-    transformers before 5.23 does (``repeat_interleave``, a copy of both, and a sum in the
-    backward: 54 ms of a 9B step at 32k); flash-linear-attention's kernels take fewer key heads
-    than value heads and read key head ``i // (Hv/Hk)`` for value head ``i``, which is
-    ``repeat_interleave``'s own order (fla 0.6: ``chunk_delta_h.py``, ``wy_fast.py``,
-    ``fused_recurrent.py``). transformers' PyTorch core broadcasts the heads and needs the repeat,
-    and so does ``torch.export``, under which transformers always calls it (not supported here)."""
+    The repeat is a copy that fla's kernels do not need: they read key head ``i // (Hv/Hk)`` for
+    value head ``i``, ``repeat_interleave``'s own order. transformers' PyTorch core needs it."""
     return gdn.num_v_heads != gdn.num_k_heads and forward_repeats_key_heads(type(gdn))
 
 
 @functools.cache
 def package_installed(package: str) -> bool:
-    """Whether ``package`` can be imported: asked once a process (the delta-rule switch asks at every
-    call, and a lookup walks sys.path)."""
+    """Whether ``package`` can be imported (cached: a lookup walks sys.path)."""
     return importlib.util.find_spec(package) is not None
 
 
@@ -242,10 +215,8 @@ def triton_at_least(version: tuple[int, ...]) -> bool:
 
 
 def core_is_fla(gdn: torch.nn.Module) -> bool:
-    """Whether the chunked delta-rule core this GatedDeltaNet calls is fla's, as transformers
-    resolved it: the layer's own attribute (older transformers) or its module's function (through
-    the hub wrapper). Not whether fla is installed: transformers may have resolved its PyTorch
-    function all the same, and that one ignores packed sequences' boundaries."""
+    """Whether the chunked core this GatedDeltaNet calls resolves to fla's (not whether fla is
+    installed: transformers may still have resolved its PyTorch one, which ignores boundaries)."""
     return _is_fla_function(_resolved_core(core_function(gdn)))
 
 
@@ -266,10 +237,8 @@ def modeling_module(gdn: torch.nn.Module):
 
 
 def conv_function(gdn: torch.nn.Module):
-    """The causal conv1d the GatedDeltaNet's own forward calls, by transformers' convention
-    ``fn(x [B, C, T], weight [C, K], bias, activation=..., **kwargs)``: q35lab's when patched
-    (``conv=True``), else the layer's attribute (transformers < 5.15) or its modeling module's
-    function (the causal-conv1d package's, or transformers' PyTorch one). None if there is none."""
+    """The causal conv1d this GatedDeltaNet's forward calls, ``fn(x [B, C, T], weight [C, K], bias,
+    activation=..., **kwargs)``: q35lab's when patched, else the layer's or its module's; or None."""
     if marked(gdn, CONV) is not None:
         return CausalConv()
     attribute = versions.layer_conv(gdn)
@@ -279,10 +248,8 @@ def conv_function(gdn: torch.nn.Module):
 
 
 def core_function(gdn: torch.nn.Module):
-    """The chunked delta-rule core the GatedDeltaNet's own forward calls: the layer's attribute
-    (transformers < 5.15), else its modeling module's ``torch_chunk_gated_delta_rule`` — fla's
-    ``chunk_gated_delta_rule`` when flash-linear-attention is installed, transformers' PyTorch one
-    otherwise (looked up at each call, as the forward does: a timer wrapping it sees the tiles)."""
+    """The chunked delta-rule core this GatedDeltaNet's forward calls: the layer's attribute, else its
+    modeling module's ``torch_chunk_gated_delta_rule`` (looked up at each call, as the forward does)."""
     attribute = versions.layer_core(gdn)
     if callable(attribute):
         return attribute

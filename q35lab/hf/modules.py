@@ -1,9 +1,8 @@
-"""What transformers and PEFT build for Qwen3.5, as q35lab recognises it: the class names, the
-predicates, the decoder-layer stacks, hooks, and the cache and packing keyword arguments.
+"""What transformers and PEFT build for Qwen3.5, as q35lab recognises it: class names, predicates,
+decoder-layer stacks, hooks, and the cache and packing keyword arguments.
 
-Everything q35lab knows about the shape of a Qwen3.5 model lives here, so that ``patch`` and
-``long_context`` ask the same questions the same way. Classes are matched by name and module
-(``transformers.*``): whichever class the installed transformers puts in a layer is the one seen."""
+Classes are matched by name and module (``transformers.*``), so whichever class the installed
+transformers puts in a layer is the one seen."""
 
 from __future__ import annotations
 
@@ -12,8 +11,7 @@ import torch
 from ..hf import versions
 from .forwards import ORIGINAL
 
-#: transformers classes computing x̂·(1+w) with Gemma-style casting (checked line by line
-#: against ``offset_rms_norm_ref`` in tests/test_patch.py).
+#: transformers classes computing x̂·(1+w) with Gemma-style casting.
 OFFSET_RMS_NORM_CLASSES = ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")
 
 #: transformers' gated norms after each GatedDeltaNet: w · bf16(x̂), rounded three times ("hf").
@@ -74,9 +72,8 @@ FLCE_CLASSES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
 
 
 def head_linear(head) -> torch.nn.Linear | None:
-    """The plain ``nn.Linear`` that computes the head right now: the head itself, or, for a head
-    that PEFT trains whole (``modules_to_save``, e.g. new tokens), the copy of the one active
-    adapter, or the original when adapters are disabled. None for anything else."""
+    """The plain ``nn.Linear`` that computes the head now: the head, the one active adapter's copy of
+    a PEFT ``modules_to_save`` head, or its original when adapters are disabled; else None."""
     if type(head).__name__ == "ModulesToSaveWrapper":
         active = getattr(head, "active_adapters", None) or [getattr(head, "active_adapter", None)]
         if getattr(head, "disable_adapters", False) or active[0] not in head.modules_to_save:
@@ -88,8 +85,7 @@ def head_linear(head) -> torch.nn.Linear | None:
     return head if type(head) is torch.nn.Linear else None
 
 
-#: A module's hook dictionaries, forward and backward (``register_full_backward_hook`` and its
-#: pre-hook act through the module call too), and nn.Module's global ones of the same kinds.
+#: A module's hook dictionaries (backward hooks act through the module call too), also global ones.
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
@@ -104,14 +100,10 @@ def hooks_would_see(*modules: torch.nn.Module | None) -> bool:
 
 
 def head_has_hooks(head: torch.nn.Module) -> bool:
-    """Whether a forward hook would see lm_head's output (its own, its active linear's, or a global
-    one): such hooks expect logits, so the fused loss, which makes none, must not run."""
+    """Whether a hook would see lm_head's output: it expects logits, which the fused loss never makes."""
     return hooks_would_see(head, head_linear(head))
 
 
-# Full attention of packed rows: transformers' SDPA takes a packed row's boundaries as a dense
-# [T, T] mask; q35lab's attention implementation (NAME) gives them to PyTorch's
-# varlen flash attention and is transformers' SDPA for every other call.
 ATTENTION_CLASSES = ("Qwen3_5Attention", "Qwen3_5MoeAttention")
 
 
@@ -142,9 +134,8 @@ def holds_qwen3_5(model: torch.nn.Module) -> bool:
 def refuse_sharded(model: torch.nn.Module, what: str) -> None:
     """Raise when ``model`` is sharded already (FSDP2's ``fully_shard``, or DTensor parameters).
 
-    ``fully_shard`` records the (module, name) of each parameter and, before each forward, gives the
-    gathered weight to that module alone. A module put in afterwards (q35lab's norms) or put back
-    (``revert``) would hold the sharded DTensor for good, and a kernel would fail on it deep inside."""
+    ``fully_shard`` gathers each weight into the module it recorded; a module swapped in later would
+    keep the sharded DTensor and fail deep inside a kernel."""
     if not torch.distributed.is_available():
         return
     try:
@@ -179,8 +170,7 @@ def packed_arguments(kwargs: dict) -> str | None:
 
 
 def is_gated_delta_net_layer(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is a transformers decoder layer of a GatedDeltaNet and a per-token MLP
-    (the dense Qwen3.5's; the MoE's routed block is not tiled with its layer)."""
+    """Whether ``module`` is a transformers decoder layer of a GatedDeltaNet and a dense MLP."""
     return (_is_decoder_layer(module) and getattr(module, "block_type", None) == "linear_attention"
             and is_gated_delta_net(getattr(module, "linear_attn", None)) and is_mlp(getattr(module, "mlp", None))
             and all(isinstance(getattr(module, n, None), torch.nn.Module)
@@ -188,8 +178,7 @@ def is_gated_delta_net_layer(module: torch.nn.Module) -> bool:
 
 
 def checkpoints_the_call() -> bool:
-    """Whether transformers' ``GradientCheckpointingLayer`` checkpoints ``__call__`` (< 5.23), around an
-    instance's forward, rather than the class's ``forward`` (5.23 on), which an instance's forward replaces."""
+    """Whether ``GradientCheckpointingLayer`` checkpoints ``__call__`` (see ``versions``)."""
     return versions.checkpoints_the_call()
 
 
@@ -209,9 +198,9 @@ def stack_layers(stack: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def layer_stacks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules that hold decoder layers in a ``layers`` list (one for a text model; the
-    language model of a vision-language one)."""
-    return [m for m in model.modules() if isinstance(getattr(m, "layers", None), torch.nn.ModuleList) and stack_layers(m)]
+    """The modules that hold decoder layers in a ``layers`` list (a vision-language model's text one)."""
+    return [m for m in model.modules()
+            if isinstance(getattr(m, "layers", None), torch.nn.ModuleList) and stack_layers(m)]
 
 
 def stack_pre_hooks(stack: torch.nn.Module, kind: type) -> dict:

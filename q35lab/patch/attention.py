@@ -1,12 +1,9 @@
-"""Feature ``varlen_attention``: full attention of packed rows without a [T, T] mask, and the
-boundaries of packed sequences derived from ``position_ids``.
+"""Feature ``varlen_attention``: full attention of packed rows without a [T, T] mask, and packed
+sequences' boundaries derived from ``position_ids``.
 
-A packed row is block-causal: each token attends to its own sequence up to itself. transformers'
-SDPA path writes that as a dense [T, T] mask, which SDPA cannot skip; PyTorch's ``varlen_attn``
-takes the boundaries ``cu_seq_lens = [0, n1, n1 + n2, ..., T]`` and runs each sequence alone.
-q35lab registers one attention implementation (``NAME``) that calls ``varlen_attn`` for a packed
-row with known boundaries on a CUDA device in bf16/fp16, and is transformers' own SDPA for every
-other call."""
+A packed row is block-causal. Instead of SDPA's dense mask, the implementation ``NAME`` hands the
+boundaries ``cu_seq_lens = [0, n1, n1 + n2, ..., T]`` to PyTorch's ``varlen_attn`` where flash
+attention can run, and is transformers' SDPA for every other call."""
 
 from __future__ import annotations
 
@@ -46,8 +43,7 @@ def varlen_attention_function():
 
 @functools.cache
 def _causal_keyword(function) -> dict:
-    """The keyword that makes ``varlen_attn`` causal: ``window_size=(-1, 0)`` (newer torch) or
-    ``is_causal=True`` (the first releases). Read once per function, not per call."""
+    """The keyword that makes ``varlen_attn`` causal: ``window_size=(-1, 0)`` or ``is_causal=True``."""
     parameters = inspect.signature(function).parameters
     if "window_size" in parameters:
         return {"window_size": (-1, 0)}
@@ -64,8 +60,7 @@ def _takes_grouped_heads(function) -> bool:
 
 
 def register() -> None:
-    """Register ``NAME`` with transformers' attention and mask registries (idempotent): the
-    attention function below, and SDPA's mask function (so a padded batch gets SDPA's mask)."""
+    """Register ``NAME`` with transformers' attention and mask registries (SDPA's mask), idempotently."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -74,11 +69,9 @@ def register() -> None:
 
 
 def boundaries_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """The sequences of one packed row by transformers' rule (``masking_utils.find_packed_sequence_indices``,
-    which its SDPA, eager and flex masks follow): a sequence starts wherever ``position_ids`` do not step
-    by one, so rows restarting at 0 or at 1 both split. ``position_ids``: [T] or [1, T]. Returns
-    ``(cu_seq_lens, longest)`` (int32 ``[0, s_1, ..., T]`` on the positions' device, the longest
-    sequence's tokens), or None for a row of one sequence. One host sync."""
+    """The sequences of one packed row by transformers' rule: one starts wherever ``position_ids``
+    ([T] or [1, T]) do not step by one. Returns ``(cu_seq_lens, longest)`` (int32 ``[0, s_1, ..., T]``,
+    the longest sequence's tokens), or None for a single sequence. One host sync."""
     if position_ids.dim() == 2 and position_ids.shape[0] == 1:
         position_ids = position_ids[0]
     if position_ids.dim() != 1:
@@ -92,8 +85,7 @@ def boundaries_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def boundaries_agree(cu_seq_lens: torch.Tensor, position_ids: torch.Tensor) -> bool:
-    """Whether ``cu_seq_lens`` ([0, s_1, ..., T]) split one row where its ``position_ids`` ([T] or
-    [1, T]) do by ``boundaries_from_positions``' rule (empty sequences aside). One host sync."""
+    """Whether ``cu_seq_lens`` split one row where its ``position_ids`` do (empty sequences aside)."""
     positions = position_ids.reshape(-1)
     length = positions.shape[0]
     cu = cu_seq_lens.to(device=positions.device, dtype=torch.long).reshape(-1)
@@ -115,8 +107,7 @@ def block_causal_mask(cu_seq_lens: torch.Tensor, length: int, device) -> torch.T
 
 
 def _within_sequences(attention_mask, query, key, cu_seq_lens):
-    """The mask transformers built (None: causal; boolean: True attends; float: added to the
-    scores), narrowed to each query's own sequence: SDPA reads a mask, not boundaries."""
+    """transformers' mask (None, boolean or additive) narrowed to each query's own sequence."""
     if query.shape[0] != 1 or query.shape[2] != key.shape[2]:
         raise ValueError(f"cu_seq_lens_q: packed sequences come as one row (batch 1) whose queries are its keys "
                          f"(no cache), got queries {tuple(query.shape)} and keys {tuple(key.shape)}; pass one row, "
@@ -135,9 +126,8 @@ def flash_can_run(query: torch.Tensor) -> bool:
 
 
 def takes_the_varlen_path(query: torch.Tensor, key: torch.Tensor, dropout: float, kwargs: dict) -> bool:
-    """Whether this call's boundaries go to ``varlen_attn``: boundaries given (the same for keys
-    as for queries: self-attention), one row whose queries are its keys (no cache in front of
-    them), no dropout, and tensors flash attention takes (``flash_can_run``)."""
+    """Whether this call goes to ``varlen_attn``: self-attention boundaries given, one row without a
+    cache, no dropout, and tensors flash attention takes."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     return (isinstance(cu_q, torch.Tensor) and (cu_k is None or tuple(cu_k.shape) == tuple(cu_q.shape))
             and query.shape[0] == 1 and query.shape[2] == key.shape[2] and not dropout
@@ -145,10 +135,8 @@ def takes_the_varlen_path(query: torch.Tensor, key: torch.Tensor, dropout: float
 
 
 def varlen_attention(module, query, key, value, cu_seq_lens, max_length, scaling):
-    """Causal attention within each sequence of a packed row: ``query`` [1, heads, T, d], ``key``
-    and ``value`` [1, kv heads, T, d] (grouped-query: heads a multiple of kv heads), sequence i
-    the tokens ``cu_seq_lens[i] : cu_seq_lens[i + 1]``; returns [1, T, heads, d], as
-    transformers' attention functions do."""
+    """Causal attention within each sequence ``cu_seq_lens[i] : cu_seq_lens[i + 1]`` of a packed row:
+    ``query`` [1, heads, T, d], ``key``/``value`` [1, kv heads, T, d]; returns [1, T, heads, d]."""
     function = varlen_attention_function()
     heads, kv_heads = query.shape[1], key.shape[1]
     if heads % kv_heads:
@@ -157,7 +145,7 @@ def varlen_attention(module, query, key, value, cu_seq_lens, max_length, scaling
     if kv_heads != heads:  # one key/value head per group of query heads
         if _takes_grouped_heads(function):
             options["enable_gqa"] = True
-        else:  # (a torch whose varlen_attn does not say it takes fewer key/value heads)
+        else:  # this torch's varlen_attn takes no grouped heads
             key = key.repeat_interleave(heads // kv_heads, dim=1)
             value = value.repeat_interleave(heads // kv_heads, dim=1)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, d]
@@ -168,10 +156,8 @@ def varlen_attention(module, query, key, value, cu_seq_lens, max_length, scaling
 
 def sdpa_or_varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                              **kwargs):
-    """transformers' attention-function interface (``AttentionInterface``): ``varlen_attention``
-    where ``takes_the_varlen_path``, else transformers' ``sdpa_attention_forward``, its mask narrowed
-    to each sequence where the call carries boundaries (``cu_seq_lens_q``): transformers' mask
-    knows them only from position_ids, and only without an attention mask."""
+    """transformers' ``AttentionInterface``: ``varlen_attention`` where ``takes_the_varlen_path``, else
+    SDPA with its mask narrowed to the given boundaries (transformers' mask may not know them)."""
     if takes_the_varlen_path(query, key, dropout, kwargs):
         longest = kwargs.get("max_length_q")
         if longest is None:
@@ -195,20 +181,12 @@ def describe() -> str:
 
 
 class _PackedBoundaries:
-    """Forward pre-hook of the module that runs the decoder layers, for a row of packed sequences.
+    """Forward pre-hook of the decoder-layer stack for a row of packed sequences.
 
-    Boundaries given as ``cu_seq_lens_q`` are used as they are. Otherwise a row whose
-    ``position_ids`` do not step by one (``boundaries_from_positions``: transformers'
-    rule, where its masks find packed sequences) gets them as ``cu_seq_lens_q/k`` and
-    ``max_length_q/k``, which the decoder layers pass on to the GatedDeltaNet (``position_ids`` stop
-    at the decoder layer); only for one row without an attention mask or a cache, as transformers'
-    masks do. A packed row then runs with ``use_cache=False``: with a cache (the default builds
-    one) transformers' full-attention mask ignores the packing. The positions read are those
-    transformers' masks read (``_text_positions``: the text row of the [4, B, T] form too). Refused
-    (``ValueError``): a packed row with a cache of the caller's, or in a model whose GatedDeltaNet
-    cannot keep it apart; packed sequences in a batch of several rows or in [3, B, T] positions
-    (transformers' mask would keep them apart or not at all, the GatedDeltaNet the other way);
-    cu_seq_lens_q that position_ids contradict, or that the full attention would not see."""
+    A row whose text positions restart gets ``cu_seq_lens_q/k`` and ``max_length_q/k`` (the
+    GatedDeltaNet never sees ``position_ids``), where transformers' masks would find packing too.
+    A packed row runs with ``use_cache=False``: a cache makes transformers' mask ignore the packing.
+    Raises ValueError where the GatedDeltaNet and the full attention would not split it alike."""
 
     def __reduce__(self):  # unpickled in a fresh process: the attention it feeds is registered there too
         return (_packed_boundaries, ())
@@ -260,8 +238,8 @@ class _PackedBoundaries:
 
 
 def _text_positions(positions: torch.Tensor | None) -> torch.Tensor | None:
-    """The [B, T] positions transformers' Qwen3.5 masks read: 2-D ``position_ids``, or the text row
-    (the first) of the [4, B, T] form; None for the [3, B, T] form (rotary rows only) or none."""
+    """The [B, T] positions transformers' masks read: 2-D ``position_ids`` or the [4, B, T] form's
+    first row; None otherwise."""
     if positions is None:
         return None
     if positions.dim() == 2:
@@ -272,8 +250,7 @@ def _text_positions(positions: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _refuse_restarting_mrope(positions: torch.Tensor | None) -> None:
-    """[3, B, T] position_ids carry no text row: transformers' masks then find no packing, and a
-    restart (the temporal row, which never falls within a sequence, falls) would leak silently."""
+    """Refuse restarting [3, B, T] positions: transformers' masks find no packing there, so it would leak."""
     if positions is not None and positions.dim() == 3 and positions.shape[0] == 3 and positions.shape[-1] > 1:
         if bool((positions[0].diff(dim=-1) < 0).any()):  # a sync, for explicit [3, B, T] positions only
             raise ValueError("position_ids: the [3, B, T] rotary positions restart within a row (packed "
@@ -283,10 +260,8 @@ def _refuse_restarting_mrope(positions: torch.Tensor | None) -> None:
 
 
 def _attention_misses_boundaries(stack: torch.nn.Module, mask_misses: bool) -> str | None:
-    """Why the full attention under ``stack`` would not see boundaries given as cu_seq_lens_q, or
-    None. q35lab's implementation and transformers' flash paths read them; the others (SDPA,
-    eager, flex) read transformers' mask, which finds packing only in position_ids, without an
-    attention mask (``mask_misses``: this call has not those)."""
+    """Why the full attention under ``stack`` would not see ``cu_seq_lens_q``, or None: only q35lab's
+    and the flash implementations read them; the others read a mask (``mask_misses``: it misses them)."""
     layer = next((m for m in stack.modules() if type(m).__name__ in ATTENTION_CLASSES), None)
     implementation = str(getattr(getattr(layer, "config", None), "_attn_implementation", None))
     if layer is None or not mask_misses or implementation == NAME or "flash" in implementation:
@@ -303,16 +278,14 @@ def _packed_boundaries() -> _PackedBoundaries:
 
 
 class _AttentionConfig:
-    """The config a full-attention layer of a patched model reads: its model's config in every
-    attribute, read or written, except that SDPA reads as q35lab's implementation. The switch is
-    this model's, not the config object's, which other models may share (one built from the same
-    config keeps SDPA), and a later change of the model's implementation reaches the layer."""
+    """A full-attention layer's view of its model's config in which SDPA reads as ``NAME``: the switch
+    stays this model's, not the (possibly shared) config object's."""
 
     def __init__(self, config):
         object.__setattr__(self, "_q35lab_config", config)
 
-    def __getattr__(self, name):  # only what the view itself lacks: every config attribute
-        if name == "_q35lab_config":  # (not set yet: an instance that copy or pickle is building)
+    def __getattr__(self, name):  # every config attribute
+        if name == "_q35lab_config":  # not set yet while copy or pickle builds the view
             raise AttributeError(name)
         value = getattr(self._q35lab_config, name)
         return NAME if name == "_attn_implementation" and value == "sdpa" else value

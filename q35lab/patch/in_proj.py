@@ -63,14 +63,12 @@ class ProjectionGroup:
     def __init__(self, modules: list[torch.nn.Module], own_buffer: tuple[int, ...] = ()):
         self.modules = modules
         self.own_buffer = own_buffer
-        # The four frozen base weights moved into one buffer, so that the fused GEMM's
-        # concatenated weight is a view of it rather than a second copy of the weights.
+        # frozen base weights packed into one buffer: the fused GEMM's weight is a view, not a copy
         self.packed = pack_rows([base_layer(m).weight for m in modules])
         self._reset()
 
     def _reset(self) -> None:
-        # a copy (weights not one buffer: FSDP2's gathered ones, or split by a later .to()) lives
-        # only while the step needs it, not between steps
+        # a concatenated copy (weights not in one buffer, e.g. FSDP2's) lives only within a step
         self.cache = ConcatCache(keep_copies=False)
         self.input_key = None
         self.pending: dict[int, torch.Tensor] = {}
@@ -132,11 +130,8 @@ class _InProjForward(Forward):
         return self.group.output(self.index, x, args, kwargs)
 
 
-# The group's order: z last and in a buffer of its own. The GatedDeltaNet reshapes z to
-# [T·heads, head_dim] for its norm, which copies a column block of a shared buffer (256 MiB at
-# 32k tokens, kept for the norm's backward beside the shared buffer's own z columns); qkv, b and
-# a are read where they lie (the convolution and elementwise ops take strides), so they share
-# one buffer and one GEMM.
+# z last, in a buffer of its own: its norm's reshape would copy a column block of a shared buffer
+# (and keep the copy for backward); qkv, b and a are read through strides and share one GEMM.
 IN_PROJ_GROUP = (*(name for name in IN_PROJ_NAMES if name != "in_proj_z"), "in_proj_z")
 
 IN_PROJ_OWN_BUFFER = (IN_PROJ_GROUP.index("in_proj_z"),)
@@ -153,7 +148,7 @@ def fuse_in_proj(gdn: torch.nn.Module, report: PatchReport) -> None:
         return
     group = ProjectionGroup(modules, own_buffer=IN_PROJ_OWN_BUFFER)
     for index, module in enumerate(modules):
-        if marked(module, LORA_PATCHED) is not None:  # routed by lora=True earlier: the group takes over
+        if marked(module, LORA_PATCHED) is not None:  # routed by lora=True: the group takes over
             unroute_lora(module, PatchReport())
         module.forward = _InProjForward(module, group, index)
         object.__setattr__(module, IN_PROJ, group)

@@ -17,7 +17,7 @@ class PatchReport:
     Attributes:
         replaced (Counter): what was patched (mostly the original class name) → count.
         left_alone (Counter): ``"class: why"`` → count, for modules q35lab cannot compute exactly.
-        already_patched (int): modules patched by an earlier call, left as they are.
+        already_patched (int): modules already patched, left as they are.
         not_applied (dict): flag → why it did nothing.
         reverted (Counter): class name → count (``revert``).
         qwen3_5 (bool): whether a Qwen3.5 module was found (``apply_to_qwen3_5`` patches nothing else).
