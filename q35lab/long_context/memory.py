@@ -177,8 +177,7 @@ def _phase_terms(d: _Dims, e: int, r: int, tiled: bool, gdn_tile: int | None = N
     ``chunk_gated_delta_rule`` (saves l2-normed q, k with their rstd, v, g, beta and the WY
     matrix A of 64 values per token and value head; its backward recomputes w, u, the chunk
     states h and makes dh, dv, dw, dq, dk) and SDPA's flash backend (saves q, k, v, out, lse; a
-    fp32 dq accumulator in backward). fla's and SDPA's terms are read from their code, not
-    measured: the GPU measurement closes them.
+    fp32 dq accumulator in backward). fla's and SDPA's terms are read from their code.
 
     ``tiled``: the MLP is tiled (its input and dx remain per token). ``gdn_tile``: a GatedDeltaNet's
     decoder layer is tiled whole at this many tokens (``tiled_gated_delta_net_layer``): its
@@ -284,7 +283,8 @@ class MemoryModel:
         rows.append(f"  {'total':<{width}}  {self.per_token / KiB:9.2f} KiB/token")
         rows += [f"  {name:<{width}}  {value / GiB:9.2f} GiB" for name, value in self.fixed.items()]
         if self.host_per_token:
-            rows.append(f"  host: {self.host_per_token / KiB:.2f} KiB/token ({self.offloaded_layers} of {self.layers} layers)")
+            rows.append(f"  host: {self.host_per_token / KiB:.2f} KiB/token "
+                        f"({self.offloaded_layers} of {self.layers} layers)")
         return "\n".join(rows)
 
 
