@@ -206,7 +206,8 @@ def _recompute_tile(tiles: Tiles, piece: torch.Tensor, carry_in, span: tuple[int
     backward needs ``dy`` alone: that GEMM is left uncomputed (``unread_down_outputs``), as the
     untiled layer's checkpoint recompute stops before it (2·T·I·H FLOPs a layer). If the last addend
     is anything but the unmodified output of the one GEMM skipped, something may have read the
-    uncomputed values: the tile runs again in full (its RNG state restored), its forward twice. A scan's carry comes from the mixer, before the MLP."""
+    uncomputed values: the tile runs again in full (its RNG state restored), its forward twice. A
+    scan's carry comes from the mixer, before the MLP."""
     with unread_down_outputs() as skipped:
         y, carry = tiles.step(piece, carry_in, span)
     # exactly one skipped GEMM, and it is the last addend: with two (two MLPs chained), the first's
