@@ -11,7 +11,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass, field
 
-from ..ops._checks import check_bool, check_int, check_real
+from ..ops._checks import check_int, check_real
 from .tiles import check_tile_tokens
 
 GiB = 2**30
@@ -168,8 +168,7 @@ def _gdn_carry_bytes(d: _Dims, e: int) -> int:
     return 4 * d.Hv * d.dk * d.dv + (d.conv_kernel - 1) * d.conv_dim * e
 
 
-def _phase_terms(d: _Dims, e: int, r: int, tiled: bool, gdn_tile: int | None = None,
-                 mlp_keeps_h: bool = False, gdn_whole_layer: bool = True) -> dict[str, dict[str, float]]:
+def _phase_terms(d: _Dims, e: int, r: int, tiled: bool, gdn_tile: int | None = None) -> dict[str, dict[str, float]]:
     """Per-token bytes of each phase of one layer's backward (checkpoints and residual excluded).
 
     Counted from the code that runs on the GPU: q35lab's patched modules (fused in_proj and
@@ -178,18 +177,12 @@ def _phase_terms(d: _Dims, e: int, r: int, tiled: bool, gdn_tile: int | None = N
     ``chunk_gated_delta_rule`` (saves l2-normed q, k with their rstd, v, g, beta and the WY
     matrix A of 64 values per token and value head; its backward recomputes w, u, the chunk
     states h and makes dh, dv, dw, dq, dk) and SDPA's flash backend (saves q, k, v, out, lse; a
-    fp32 dq accumulator in backward). fla's and SDPA's terms are read from their code, not
-    measured: the GPU measurement closes them.
+    fp32 dq accumulator in backward). fla's and SDPA's terms are read from their code.
 
     ``tiled``: the MLP is tiled (its input and dx remain per token). ``gdn_tile``: a GatedDeltaNet's
     decoder layer is tiled whole at this many tokens (``tiled_gated_delta_net_layer``): its
     backward keeps only the layer's input and its dx per token, one phase; the rest is one tile's
     (``bytes_per_token`` counts it as fixed, and the carries every such layer holds as common).
-    ``gdn_whole_layer=False``: the GatedDeltaNet alone is tiled (``tiled_gated_delta_net``, what
-    ``tiled_gdn`` did before 2026-12-06): of its terms its input, its dx and its own carries
-    (``_gdn_carry_bytes`` a tile) remain per token, and the MLP's phase follows it as untiled.
-    ``mlp_keeps_h``: the down projection runs its own
-    forward and keeps the SwiGLU output [I] for its backward (see ``bytes_per_token``).
     """
     H, I = d.H, d.I
     q = d.nq * d.hd
@@ -202,13 +195,7 @@ def _phase_terms(d: _Dims, e: int, r: int, tiled: bool, gdn_tile: int | None = N
         # and dgate, dup are written over the gate/up output
         mlp = {"MLP: input (saved by gate/up)": H * e, "MLP: gate/up output [2I]": 2 * I * e,
                "MLP: LoRA x·Aᵀ (3 adapters)": 3 * r * e, "MLP backward: dh [I], then h rebuilt in it": I * e}
-        if mlp_keeps_h:
-            mlp["MLP: SwiGLU output [I] (saved by down)"] = I * e
     gdn_saved, gdn_bwd = _gdn_terms(d, e, r)
-    if gdn_tile is not None and not gdn_whole_layer:  # the layer's recompute rebuilds the GDN's output
-        gdn_saved = {"GDN: input (saved once by the tiling)": H * e,
-                     "GDN: carries into each tile (fp32 state, K−1 conv rows)": _gdn_carry_bytes(d, e) / gdn_tile}
-        gdn_bwd = {"GDN: dx of the whole sequence": H * e}
     attn_saved = {
         "attention: input (saved by q/k/v)": H * e,
         "attention: q-norm input (contiguous copy)": q * e,
@@ -225,7 +212,7 @@ def _phase_terms(d: _Dims, e: int, r: int, tiled: bool, gdn_tile: int | None = N
     }
     phases = {}
     kinds = set(d.layer_types)
-    if "linear_attention" in kinds and gdn_tile is not None and gdn_whole_layer:
+    if "linear_attention" in kinds and gdn_tile is not None:
         phases["GatedDeltaNet layer backward (tiled)"] = {"GDN layer: input (saved once by the tiling)": H * e,
                                                           "GDN layer: dx of the whole sequence": H * e}
     elif "linear_attention" in kinds:
@@ -296,7 +283,8 @@ class MemoryModel:
         rows.append(f"  {'total':<{width}}  {self.per_token / KiB:9.2f} KiB/token")
         rows += [f"  {name:<{width}}  {value / GiB:9.2f} GiB" for name, value in self.fixed.items()]
         if self.host_per_token:
-            rows.append(f"  host: {self.host_per_token / KiB:.2f} KiB/token ({self.offloaded_layers} of {self.layers} layers)")
+            rows.append(f"  host: {self.host_per_token / KiB:.2f} KiB/token "
+                        f"({self.offloaded_layers} of {self.layers} layers)")
         return "\n".join(rows)
 
 
@@ -304,8 +292,7 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
                     offload: float | int | bool = False,
                     lora_rank: int = 16, dtype_bytes: int = 2, weight_bytes: int | None = None,
                     adapter_bytes: int = 4, batch: int = 1, loss_chunk_bytes: int | None = None,
-                    slack_bytes: float = 2 * GiB, mlp_keeps_h: bool = False,
-                    other_trainable_parameters: int = 0, gdn_whole_layer: bool = True) -> MemoryModel:
+                    slack_bytes: float = 2 * GiB, other_trainable_parameters: int = 0) -> MemoryModel:
     """Predict the peak of a Qwen3.5 LoRA step under gradient checkpointing: its slope (bytes a
     token), term by term, and its constant part.
 
@@ -331,12 +318,8 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
         loss_chunk_bytes (int, optional): one chunk of the loss's logits.
             Default: ``ops.linear_cross_entropy.CHUNK_BYTES``.
         slack_bytes (float): cuBLAS workspaces, allocator rounding. Default: 2 GiB.
-        mlp_keeps_h (bool): the MLP's down projection runs its own forward and keeps the SwiGLU
-            output (where its adapter has dropout or a hook watches it). Default: False.
         other_trainable_parameters (int): parameters that train besides the adapters
             (``modules_to_save``, a full fine-tune), each with a gradient and two AdamW moments. Default: 0.
-        gdn_whole_layer (bool): the tiled GatedDeltaNet computes its whole decoder layer in each tile
-            (False: the GatedDeltaNet alone). Default: True.
 
     Returns:
         MemoryModel: the terms; its ``peak(T)`` and ``longest_fit(gpu_bytes)`` read them.
@@ -356,8 +339,6 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
     if loss_chunk_bytes is not None:
         loss_chunk_bytes = check_int("loss_chunk_bytes", loss_chunk_bytes, minimum=0, what="bytes")
     slack_bytes = memory_bytes(slack_bytes, "slack_bytes")
-    check_bool("mlp_keeps_h", mlp_keeps_h)
-    check_bool("gdn_whole_layer", gdn_whole_layer)
     other_trainable_parameters = check_int("other_trainable_parameters", other_trainable_parameters, minimum=0,
                                            what="parameters")
     if tiled_mlp_tokens is not None:
@@ -377,13 +358,12 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
     gdn_tile = None if tiled_gdn_tokens is None else check_tile_tokens(tiled_gdn_tokens, "tiled_gdn_tokens")
     gdn_layers = d.layer_types.count("linear_attention")
     carries = {}  # held from each tiled layer's forward to its backward: alive in every phase
-    if gdn_tile is not None and gdn_layers and gdn_whole_layer:
+    if gdn_tile is not None and gdn_layers:
         carries[f"GDN layers: carries held into each tile ({gdn_layers} layers)"] = (
             gdn_layers * _gdn_carry_bytes(d, e) / gdn_tile)
     common.update(carries)
     phases = {name: {**common, **terms} for name, terms in
-              _phase_terms(d, e, r, tiled=tiled_mlp_tokens is not None, gdn_tile=gdn_tile,
-                           mlp_keeps_h=mlp_keeps_h, gdn_whole_layer=gdn_whole_layer).items()}
+              _phase_terms(d, e, r, tiled=tiled_mlp_tokens is not None, gdn_tile=gdn_tile).items()}
     phases["loss (end of forward)"] = {
         f"checkpoint inputs ({d.L - k} of {d.L} layers on the GPU)": (d.L - k) * d.H * e,
         "final norm: input, output": 2 * d.H * e,
@@ -405,7 +385,7 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
     if other_trainable_parameters:
         fixed["other trainable parameters: gradients + AdamW moments"] = other_trainable_parameters * (weight_bytes + 8)
     # a tile's input, gate/up output and dh (h rebuilt in it): the untiled MLP's terms, per token
-    mlp_tile_terms = (d.H + (4 if mlp_keeps_h else 3) * d.I) * e
+    mlp_tile_terms = (d.H + 3 * d.I) * e
     if tiled_mlp_tokens is not None:
         fixed["MLP: one tile's working set"] = (check_tile_tokens(tiled_mlp_tokens, "tiled_mlp_tokens") * batch
                                                 * mlp_tile_terms)
@@ -414,9 +394,8 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
         # the GatedDeltaNet's terms, saved and backward, the norms' inputs, the MLP's terms untiled, two carries
         # (the one handed on and its gradient), and the conv's input for a tile after the first: the carried
         # K−1 rows and the tile's, one new buffer
-        layer_terms = 2 * (d.H * e + 4) + mlp_tile_terms + 3 * r * e if gdn_whole_layer else 0  # + the MLP's LoRA
-        name = "GatedDeltaNet layer" if gdn_whole_layer else "GatedDeltaNet"
-        fixed[f"{name}: one tile's working set"] = batch * (
+        layer_terms = 2 * (d.H * e + 4) + mlp_tile_terms + 3 * r * e  # + the MLP's LoRA
+        fixed["GatedDeltaNet layer: one tile's working set"] = batch * (
             gdn_tile * (sum(saved.values()) + sum(backward.values()) + layer_terms)
             + 2 * _gdn_carry_bytes(d, e) + (gdn_tile + d.conv_kernel - 1) * d.conv_dim * e)
     terms = {name: value * batch for name, value in phases[phase].items()}

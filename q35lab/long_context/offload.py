@@ -22,15 +22,13 @@ from .tiles import TiledForward
 MIN_OFFLOAD_BYTES = 2**20
 
 #: Host memory the checkpoint offload leaves to the process, the data loader and the OS (pinned
-#: memory is never swapped out; a host that runs out ends the process). A 512k-token 9B step that
-#: pinned 112 GiB of a 125 GiB host (about 12 GiB left) died without an error on the H200. A host
+#: memory is never swapped out; a host that runs out ends the process without an error). A host
 #: of less than 64 GiB keeps a quarter of its memory instead (``default_host_reserve``).
 HOST_RESERVE_BYTES = 16 * 2**30
 
 #: Host copies are made of pinned blocks of at most this size. PyTorch's pinned-memory allocator
 #: rounds every request up to a power of two (``CachingHostAllocator``): one block per [T, H]
-#: tensor would waste up to half the host memory (3 GiB → 4 GiB at T = 384k); blocks of 64 MiB
-#: waste at most one block's rounding per tensor.
+#: tensor would waste up to half the host memory; blocks waste at most one block's rounding a tensor.
 HOST_CHUNK_BYTES = 64 * 2**20
 
 
@@ -167,9 +165,7 @@ class CheckpointOffloader:
         if isinstance(t._base, torch.nn.Parameter):
             return False
         if t.numel() == 0 or t.numel() * t.element_size() < self.min_bytes:
-            # empty: nothing to move. On an H100 (torch 2.11, CUDA) each non-reentrant checkpoint
-            # call also saved an empty CPU tensor, which was counted as offloaded: 8 tensors for 4
-            # layers in notebook 06 (2026-12-06); torch 2.13 on a CPU saves none
+            # empty (some torch versions save one a checkpoint call): nothing to move, nothing to count
             return False
         return not self._holds_a_parameter(t)
 
@@ -200,9 +196,8 @@ class CheckpointOffloader:
             self.stats["offloaded"] += 1
             self.stats["offloaded_bytes"] += t.numel() * t.element_size()
         if t.numel():
-            # an empty tensor stays out of the chain: saved beside each layer's input (torch 2.11's
-            # checkpoint does), it would sit between two inputs, and unpacking the later input would
-            # prefetch it instead of the earlier input
+            # an empty tensor stays out of the chain: saved beside a layer's input, it would be prefetched
+            # in place of the earlier input
             self._last = weakref.ref(handle)
         return handle
 
@@ -244,7 +239,8 @@ class CheckpointOffloader:
         available = host_memory_available()
         if available is not None and available - new < self.host_reserve_bytes:
             raise MemoryError(
-                f"q35lab: offloading this checkpoint would leave {max(0, available - new) / GiB:.1f} GiB of host memory "
+                f"q35lab: offloading this checkpoint would leave {max(0, available - new) / GiB:.1f} GiB of host "
+                f"memory "
                 f"(this step holds {self._chain_bytes / GiB:.1f} GiB offloaded; the reserve is "
                 f"{self.host_reserve_bytes / GiB:.1f} GiB): offload fewer decoder layers "
                 "(apply_to_qwen3_5(offload_checkpoints=...), long_context.plan_offload_layers says how many fit)")
@@ -544,6 +540,7 @@ def has_long_context_options(model: torch.nn.Module) -> bool:
     """Whether ``model`` has a tiled MLP or GatedDeltaNet, or decoder-layer checkpoints offloaded."""
     if any(isinstance(vars(m).get("forward"), TiledForward) for m in model.modules()):
         return True
-    return any(bool(_guards(stack)) or any(isinstance(vars(layer).get("_gradient_checkpointing_func"), _OffloadedCheckpoint)
-                                           for layer in stack_layers(stack))
+    return any(bool(_guards(stack))
+               or any(isinstance(vars(layer).get("_gradient_checkpointing_func"), _OffloadedCheckpoint)
+                      for layer in stack_layers(stack))
                for stack in layer_stacks(model))

@@ -163,7 +163,8 @@ def plan_long_context(config, tokens: int, *, gpu_bytes: float = H200_USABLE_BYT
     model = bytes_per_token(config, offload=layers, **settings, **model_settings)
     untiled_up_to = 0
     if settings:  # the longest step that needs no tiles, by the same model and the same offload
-        untiled_up_to = min(tokens - 1, bytes_per_token(config, offload=layers, **model_settings).longest_fit(gpu_bytes))
+        untiled = bytes_per_token(config, offload=layers, **model_settings)
+        untiled_up_to = min(tokens - 1, untiled.longest_fit(gpu_bytes))
     return LongContextPlan(tokens=tokens, tiled_mlp=settings.get("tiled_mlp_tokens"),
                            tiled_gdn=settings.get("tiled_gdn_tokens"), offload_layers=layers, fits=fits, model=model,
                            gpu_bytes=gpu_bytes, host_known=host_known, expandable_segments=expandable_segments(),

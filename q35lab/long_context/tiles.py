@@ -39,7 +39,8 @@ class Tiles:
         self.fn, self.tile, self.preserve_rng_state, self.scan, self.name = fn, tile, preserve_rng_state, scan, name
         self.device_type = device.type
         # the device whose RNG dropout draws from (none for a CPU input: the CPU state is always kept)
-        self.rng_devices = [device.index if device.index is not None else 0] if device.type not in ("cpu", "meta") else []
+        self.rng_devices = ([device.index if device.index is not None else 0]
+                            if device.type not in ("cpu", "meta") else [])
         self.autocast = _autocast_state(device.type)
         self.rng_states: list = []
         self.stash = None  # the _StashInput node that holds x, when there is one
@@ -92,8 +93,7 @@ def _run_tiles(tiles: Tiles, x: torch.Tensor, record_rng: bool, keep_carries: bo
     """``fn`` over each tile of ``x`` (along dim -2), written into one output. Returns the output
     and the carry that entered each tile (None for the first tile, and for every tile of a
     per-token map): the backward's recompute of tile i starts from carry i. Without a backward
-    to come (``keep_carries=False``) only the current carry is alive: a 512k-token GatedDeltaNet
-    in 8192-token tiles would otherwise hold 64 states of 2 MiB until the call returns."""
+    to come (``keep_carries=False``) only the current carry is alive."""
     tokens = x.shape[-2]
     out, carry, carries = None, None, []
     with shared_preparations():  # the projections' weight-only casts: built by the first tile, reused
@@ -204,10 +204,10 @@ def _recompute_tile(tiles: Tiles, piece: torch.Tensor, carry_in, span: tuple[int
     ``y`` only roots the tile's backward (``autograd.grad(y, ..., dy)``), and a q35lab-patched MLP
     makes it (or its last addend, in a decoder layer) with ``swiglu_down``, whose down GEMM's
     backward needs ``dy`` alone: that GEMM is left uncomputed (``unread_down_outputs``), as the
-    untiled layer's checkpoint recompute stops before it. 2·T·I·H FLOPs a layer saved (106 TFLOP a
-    9B step at 32k). If the last addend is anything but the unmodified output of the one GEMM
-    skipped, something may have read the uncomputed values: the tile runs again in full (its RNG
-    state restored), its forward twice. A scan's carry comes from the mixer, before the MLP."""
+    untiled layer's checkpoint recompute stops before it (2·T·I·H FLOPs a layer). If the last addend
+    is anything but the unmodified output of the one GEMM skipped, something may have read the
+    uncomputed values: the tile runs again in full (its RNG state restored), its forward twice. A
+    scan's carry comes from the mixer, before the MLP."""
     with unread_down_outputs() as skipped:
         y, carry = tiles.step(piece, carry_in, span)
     # exactly one skipped GEMM, and it is the last addend: with two (two MLPs chained), the first's
@@ -342,11 +342,9 @@ def tiled_mlp(mlp_forward, x: torch.Tensor, tile_tokens: int, *, params=None,
     flow through ``mlp_forward`` (default: the trainable parameters of the module it is, or is a
     method of, or holds as ``.module``; a plain function must pass them, ``()`` if none).
 
-    Memory, per token (e = activation bytes, I = the MLP's width, 12288 in the 9B): the untiled
-    q35lab MLP keeps ``x`` (H·e), gate/up (2I·e) and the SwiGLU output (I·e) until its backward,
-    and its backward adds dh (I·e): (H + 4I)·e = 104 KiB a token in bf16. Tiled, the whole
-    sequence holds only ``x`` and ``dx`` (2H·e = 16 KiB a token); the (H + 4I)·e working set
-    exists for one tile at a time.
+    Memory, per token (e = activation bytes, I = the MLP's width): the untiled MLP's backward
+    holds about (H + 4I)·e; tiled, the sequence holds only ``x`` and ``dx`` (2H·e), the rest one
+    tile at a time.
 
     Passes under the decoder layer's (non-reentrant) gradient checkpointing: forward 1 (tiles, no
     grad), the layer's recompute 0 (it stops at the saving of ``x``, which is made the layer's
@@ -447,7 +445,8 @@ class TiledForward(Forward):
             return "one tile"
         if x.shape[0] * x.shape[1] <= self.untiled_up_to:
             return "fits untiled"
-        if not torch.is_grad_enabled() or not (x.requires_grad or any(p.requires_grad for p in self.module.parameters())):
+        if not torch.is_grad_enabled() or not (x.requires_grad
+                                               or any(p.requires_grad for p in self.module.parameters())):
             return "no grad"
         return None
 
