@@ -54,4 +54,5 @@ def pytest_runtest_makereport(item, call):
     if call.excinfo is not None:
         for key, value in item.user_properties:
             if key == "seed":
-                call.excinfo.value.args = (*call.excinfo.value.args, f"(torch seed {value})") if call.excinfo.value.args else (f"(torch seed {value})",)
+                seed = f"(torch seed {value})"
+                call.excinfo.value.args = (*call.excinfo.value.args, seed) if call.excinfo.value.args else (seed,)

@@ -102,7 +102,8 @@ def test_module_size(name):
 
 def test_no_commit_hashes_or_dates_in_the_package():
     """History lives in data/, RESULTS.md and git log: a hex run that reads as a commit, or a date."""
-    pattern = re.compile(r"(?<![\w/])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![\w/])|\b20\d\d-[01]\d-[0-3]\d\b")
+    pattern = re.compile(r"(?<![\w/])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![\w/])"
+                         r"|\b20\d\d-[01]\d-[0-3]\d\b")
     found = [f"{path.relative_to(PACKAGE)}:{i}: {m.group(0)}" for path in PACKAGE.rglob("*.py")
              for i, line in enumerate(path.read_text().splitlines(), 1) for m in pattern.finditer(line)]
     assert not found, found[:10]

@@ -44,7 +44,8 @@ def _assert_close_step(a, b, rtol=1e-4):
     torch.testing.assert_close(loss_a, loss_b, rtol=rtol / 10, atol=1e-5)
     assert grads_a.keys() == grads_b.keys() and grads_a
     for name in grads_a:
-        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=rtol, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=rtol, atol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("build", [_frozen_in_proj_model, _peft_model], ids=["bare", "peft"])

@@ -134,7 +134,8 @@ def test_the_switch_is_reported_reverted_and_left_alone_where_it_does_not_apply(
     assert not any("Attention" in name for name in again.replaced)
     reverted = q35lab.revert(model)
     assert _implementations(model) == {"sdpa"}
-    assert reverted.reverted.get("Qwen3_5Attention (SDPA)", 0) == (packed_attention.varlen_attention_function() is not None)
+    switched = packed_attention.varlen_attention_function() is not None
+    assert reverted.reverted.get("Qwen3_5Attention (SDPA)", 0) == switched
 
     eager = causal_lm()
     eager.config._attn_implementation = "eager"
@@ -251,7 +252,8 @@ def test_varlen_flash_attention_on_the_gpu_matches_each_sequence_alone(lengths):
         return per_sequence_attention(*rows, cu, cu, max(lengths), max(lengths), scale=scale,
                                       window_size=(-1, 0), enable_gqa=True)[None]
 
-    flash = run(torch.bfloat16, lambda q, k, v: packed_attention.varlen_attention(None, q, k, v, cu, max(lengths), scale))
+    flash = run(torch.bfloat16,
+                lambda q, k, v: packed_attention.varlen_attention(None, q, k, v, cu, max(lengths), scale))
     ref, exact = run(torch.bfloat16, reference), run(torch.float64, reference)
     for name, out, r, e in zip(("out", "dq", "dk", "dv"), flash, ref, exact):
         assert_close_by_rule(name, out, r, e)

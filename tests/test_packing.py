@@ -376,7 +376,8 @@ def test_the_attention_a_step_is_built_with_is_recorded_and_changes_no_loss(tmp_
 
     losses = {}
     for attention in (None, "eager"):
-        model = e2e.build("tiny", 4, rank=4, device=device(), dtype=torch.float32, attention=attention)  # layer 4 attends
+        # layer 4 attends
+        model = e2e.build("tiny", 4, rank=4, device=device(), dtype=torch.float32, attention=attention)
         assert model.config._attn_implementation == (attention or "sdpa")
         q35lab.apply_to_qwen3_5(model)
         (row,) = e2e.packed_batch([5, 3, 8], TEXT["vocab_size"], device(), seed=1)
@@ -409,7 +410,8 @@ def test_a_core_replaced_after_an_earlier_patch_is_switched_again(monkeypatch):
 
     q35lab.apply_to_qwen3_5(_peft_model(seed=5))  # the module's switches exist from here on
     model = _peft_model(seed=6)
-    modeling = sys.modules[type(next(m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))).__module__]
+    gdn = next(m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+    modeling = sys.modules[type(gdn).__module__]
     original = modeling.torch_chunk_gated_delta_rule
     calls = []
 

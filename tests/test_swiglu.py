@@ -111,7 +111,8 @@ def test_default_launch_configs():
                               (37, 64, 64), (1, 256, 16)]:
         config = launch_config(width)
         assert (config.block_rows, config.block_cols) == (rows, cols), width
-    assert swiglu_module._even(8, 12288, launch_config(12288)) and not swiglu_module._even(7, 12288, launch_config(12288))
+    assert swiglu_module._even(8, 12288, launch_config(12288))
+    assert not swiglu_module._even(7, 12288, launch_config(12288))
     for width in (1, 37, 128, 1000, 4100, 12288, 17408):
         c = launch_config(width)
         assert c.block_rows & (c.block_rows - 1) == 0 and c.block_cols & (c.block_cols - 1) == 0
@@ -272,7 +273,7 @@ def test_halves_of_a_buffer_someone_else_reads_are_left_alone():
     assert seen["g.grad"] != seen["g"] and torch.equal(extra, extra_before)
     # the caller keeps the gate: neither half is written over
     (gate, up), _ = _fused_gate_up(x, 24)
-    gate_before, up_before = gate.detach().clone(), up.detach().clone()
+    gate_before = gate.detach().clone()
     h = swiglu(gate, up)
     del up
     h.backward(dh)
@@ -504,7 +505,8 @@ def _down_case(rows, width, out, rank, dtype, adapter, bias):
 @pytest.mark.parametrize("rows, width, out, rank", [(5, 37, 11, 3), (1, 64, 8, 4), (7, 1, 5, 2), (33, 300, 17, 16),
                                                     (3, 8, 0, 2), (0, 8, 5, 2), (3, 0, 5, 2), (4, 6, 5, 0)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("adapter, bias", [(True, False), (False, False), (True, True)], ids=["lora", "base", "lora-bias"])
+@pytest.mark.parametrize("adapter, bias", [(True, False), (False, False), (True, True)],
+                         ids=["lora", "base", "lora-bias"])
 def test_swiglu_down_gives_the_bits_of_lora_linear_after_swiglu(rows, width, out, rank, dtype, adapter, bias):
     """The same kernels and GEMMs in the same order, h rebuilt by the forward's own formula: the
     output and every gradient are the unfused path's, bit for bit on the CPU (and so the

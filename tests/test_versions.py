@@ -123,7 +123,8 @@ def test_the_cache_reaches_a_gated_delta_net_and_its_layer_under_a_name_q35lab_k
     gdn = _gdn(model)
     layer = next(m for m in model.modules() if type(m).__name__.endswith("DecoderLayer") and _gdn(m) is not None)
     for module in (gdn, layer):  # (through a wrapper that is not functools.wraps', as 5.15's GatedDeltaNet has)
-        parameters = {p for f in versions._wrapped_functions(type(module).forward) for p in inspect.signature(f).parameters}
+        parameters = {p for f in versions._wrapped_functions(type(module).forward)
+                      for p in inspect.signature(f).parameters}
         assert parameters & set(versions.CACHE_ARGUMENTS), (type(module).__name__, parameters)
 
 
