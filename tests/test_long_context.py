@@ -434,7 +434,7 @@ def test_checkpointing_enabled_after_the_offload_and_a_deep_copy_offload_only_ch
     """Enabling checkpointing puts a fresh checkpoint function on every layer (Trainer
     calls it when training starts, after the user patched): the next forward wraps them again.
     A deep copy offloads with an offloader of its own."""
-    B, T, H, L = 1, 9, TEXT["hidden_size"], TEXT["num_hidden_layers"]
+    B, T, L = 1, 9, TEXT["num_hidden_layers"]
     ids = torch.randint(0, 128, (B, T), device=device())
     expected = _step(_model(), ids)
     model = _model(checkpointing=False)
@@ -680,7 +680,8 @@ def test_the_modelled_terms_are_what_the_tiny_model_saves():
         return sum(seen.values()) / (B * T) - H * e  # the input itself is the caller's
 
     terms = lc.bytes_per_token(config, lora_rank=4, dtype_bytes=e).phases
-    untiled_terms = lc_memory._phase_terms(lc_memory.dims(config), e, 4, tiled=False)["MLP backward (GatedDeltaNet layer)"]
+    untiled_terms = lc_memory._phase_terms(lc_memory.dims(config), e, 4, tiled=False)
+    untiled_terms = untiled_terms["MLP backward (GatedDeltaNet layer)"]
     saved_by_mlp = sum(v for k, v in untiled_terms.items() if k.startswith("MLP:")) - H * e
     assert saved_bytes(mlp) == saved_by_mlp == (2 * 96 + 3 * 4) * e  # gate/up output, 3 adapters' x·Aᵀ; no h
     # with dropout on the down adapter, the down projection runs its own forward and keeps h [I] as well
@@ -866,7 +867,8 @@ def test_tiled_gated_delta_net_patched_by_q35lab_fused_in_proj_triton_conv_and_g
     assert len(wrapped) == 1  # the untiled patched forward: one call
     # q35lab's conv reads each carry as its initial rows (no concatenation of the carry and the tile)
     carried, conv = [], causal_conv1d
-    patch_everywhere(monkeypatch, "causal_conv1d", lambda *a, **k: carried.append(k["initial_rows"] is not None) or conv(*a, **k))
+    patch_everywhere(monkeypatch, "causal_conv1d",
+                     lambda *a, **k: carried.append(k["initial_rows"] is not None) or conv(*a, **k))
     out = _gdn_outputs(gdn, x, w, 2)  # tiles shorter than K − 1: a carry holds rows of two tiles
     assert len(wrapped) == 1 + 2 * 4  # 4 tiles, each in the forward and again in the backward
     assert carried == [False, True, True, True] + [True, True, True, False]  # the backward in reverse
@@ -893,7 +895,8 @@ def test_a_patched_model_with_every_long_context_option_under_checkpointing_and_
     tile, T = (64, 150) if fla else (4, 11)  # three tiles, the last short
     if not fla:
         core = modeling.torch_chunk_gated_delta_rule
-        monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", functools.partial(inspect.unwrap(core), chunk_size=tile))
+        monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule",
+                            functools.partial(inspect.unwrap(core), chunk_size=tile))
     ids = torch.randint(0, 128, (1, T), device=device())
     reference = _model(targets="all-linear")
     ref64 = _step(_on_pytorch_core(copy.deepcopy(reference).double()), ids)
@@ -998,7 +1001,8 @@ def test_tiled_gated_delta_net_saves_its_input_and_one_carry_a_tile_nothing_of_a
     carries = saved[1:]  # into tiles 2 and 3: the K − 1 conv rows and the fp32 state each
     assert [tuple(c.shape) for c in carries] == [(B, K - 1, gdn.conv_dim), (B, 4, 16, 16)] * 2
     assert carries[1].dtype == torch.float32
-    assert sum(c.numel() * c.element_size() for c in carries) == 2 * B * lc_memory._gdn_carry_bytes(lc_memory.dims(_tiny_config()), e)
+    carry_bytes = lc_memory._gdn_carry_bytes(lc_memory.dims(_tiny_config()), e)
+    assert sum(c.numel() * c.element_size() for c in carries) == 2 * B * carry_bytes
     assert y.grad_fn.name() == "TiledGDNFunctionBackward"
 
 
@@ -1226,7 +1230,8 @@ def test_apply_to_qwen3_5_long_context_plans_the_options_says_so_and_refuses_the
     # a step the plan predicts to fit untiled runs untiled: every tiled forward knows how long that is
     assert 0 < expected.untiled_up_to < tokens
     assert f"tiles only in steps over {expected.untiled_up_to:,} tokens" in str(expected)
-    forwards = [vars(m)["forward"] for m in model.modules() if isinstance(vars(m).get("forward"), lc_tiles.TiledForward)]
+    forwards = [vars(m)["forward"] for m in model.modules()
+                if isinstance(vars(m).get("forward"), lc_tiles.TiledForward)]
     assert len(forwards) == 4 and {f.untiled_up_to for f in forwards} == {expected.untiled_up_to}
     assert report.replaced[f"Qwen3_5MLP (tiled, {expected.tiled_mlp} tokens a tile)"] == 2
     assert report.replaced[f"Qwen3_5GatedDeltaNet (tiled, {expected.tiled_gdn} tokens a tile)"] == 1
@@ -1263,7 +1268,7 @@ def test_tile_only_above_runs_steps_up_to_its_tokens_untiled_and_longer_ones_in_
     q35lab.apply_to_qwen3_5(model, tiled_gdn=4, tiled_mlp=4)
     calls = []
     for name in ("tiled_mlp", "tiled_gated_delta_net_layer"):
-        def counted(*args, _real=getattr(lc, name), _name=name, **kwargs):
+        def counted(*args, _real=getattr(lc, name), _name=name, **kwargs):  # noqa: B008 (bound per name)
             calls.append(_name)
             return _real(*args, **kwargs)
         patch_everywhere(monkeypatch, name, counted)
@@ -1454,7 +1459,8 @@ def test_the_tiled_layers_carries_are_hidden_from_the_offload_and_freed_by_its_b
     model = _model(targets="all-linear")
     report = q35lab.apply_to_qwen3_5(model, tiled_gdn=4, offload_checkpoints=1.0, tiled_mlp=4)
     offloader = next(v.offloader for m in model.modules()
-                     for v in [vars(m).get("_gradient_checkpointing_func")] if isinstance(v, lc_offload._OffloadedCheckpoint))
+                     for v in [vars(m).get("_gradient_checkpointing_func")]
+                     if isinstance(v, lc_offload._OffloadedCheckpoint))
     offloader.min_bytes = 0  # the tiny model's checkpoints are small
     carries = []
     original = lc_tiles._run_tiles
@@ -1486,7 +1492,7 @@ def test_hooks_on_the_layers_gated_delta_net_or_mlp_run_the_layer_untiled_and_se
         q35lab.apply_to_qwen3_5(model, tiled_gdn=4)
         layer = next(m for m in model.modules() if hf_modules.is_gated_delta_net_layer(m))
         seen = []
-        getattr(layer, part).register_forward_hook(lambda module, args, out: seen.append(out.shape[1]))
+        getattr(layer, part).register_forward_hook(lambda module, args, out, seen=seen: seen.append(out.shape[1]))
         tiles = _count_tiles(_gdn(model))
         _step(model, ids)
         assert seen and all(tokens == 12 for tokens in seen), (part, seen)  # whole calls, never a tile's
@@ -1511,7 +1517,8 @@ def test_a_tiled_layer_reverts_copies_and_refuses_what_it_cannot_tile():
         lc.tiled_gated_delta_net_layer(layer, x, 2, attention_mask=torch.ones(1, 5))
     with pytest.raises(TypeError, match="layer: expected a transformers GatedDeltaNet decoder layer"):
         lc.tile_gated_delta_net_layer(layer.mlp, 4)
-    attention_layer = next(m for m in model.modules() if hf_modules._is_decoder_layer(m) and not hf_modules.is_gated_delta_net_layer(m))
+    attention_layer = next(m for m in model.modules()
+                           if hf_modules._is_decoder_layer(m) and not hf_modules.is_gated_delta_net_layer(m))
     with pytest.raises(TypeError, match="layer: expected a transformers GatedDeltaNet decoder layer"):
         lc.tiled_gated_delta_net_layer(attention_layer, x, 2)
     report = q35lab.revert(model)
@@ -1571,7 +1578,8 @@ def test_a_tiled_layer_whose_input_needs_no_grad_still_runs_each_tile_twice_unde
     from the checkpoint with the carries), so the checkpoint's recompute still has nothing to run."""
     model, model64 = _model(targets="all-linear"), _model(targets="all-linear").double()  # the same weights
     q35lab.apply_to_qwen3_5(model)
-    layer, layer64 = (next(m for m in m_.modules() if hf_modules.is_gated_delta_net_layer(m)) for m_ in (model, model64))
+    layer, layer64 = (next(m for m in m_.modules() if hf_modules.is_gated_delta_net_layer(m))
+                      for m_ in (model, model64))
     x = torch.randn(1, 12, TEXT["hidden_size"], device=device())  # requires no grad
     w = torch.randn(1, 12, TEXT["hidden_size"], device=device())
 

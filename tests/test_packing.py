@@ -248,7 +248,8 @@ def test_the_per_sequence_delta_rule_checks_its_boundaries(fla_installed, monkey
 
     from q35lab.hf.gated_delta_net import _PerSequenceDeltaRule
 
-    patch_everywhere(monkeypatch, "package_installed", lambda package: fla_installed or importlib.util.find_spec(package))
+    patch_everywhere(monkeypatch, "package_installed",
+                     lambda package: fla_installed or importlib.util.find_spec(package))
 
     rule = _PerSequenceDeltaRule(modeling.torch_chunk_gated_delta_rule)
     q = torch.randn(1, 7, 2, 8, device=device())
@@ -395,7 +396,8 @@ def test_the_report_asks_which_core_transformers_resolved_not_whether_fla_is_ins
     """fla installed, transformers' PyTorch core resolved all the same (fla's import failed in
     transformers): the report says the PyTorch core runs, never that fla's does."""
 
-    patch_everywhere(monkeypatch, "package_installed", lambda package: package == "fla" or importlib.util.find_spec(package))
+    patch_everywhere(monkeypatch, "package_installed",
+                     lambda package: package == "fla" or importlib.util.find_spec(package))
     patch_everywhere(monkeypatch, "_is_fla_function", lambda function: False)  # whatever transformers resolved
     report = q35lab.apply_to_qwen3_5(_peft_model(seed=4))
     assert "PyTorch fallback" in report.runs["delta-rule core"] and "did not take" in report.runs["delta-rule core"]
