@@ -52,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--size", default="9b", choices=[*SIZES, "h200", "tiny"],
                         help="model dimensions, as python -m q35lab.e2e takes them (default: %(default)s)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: all of the size's)")
-    parser.add_argument("--T", type=int, default=32768, help="tokens a rank trains on a step, batch 1 (default: %(default)s)")
+    parser.add_argument("--T", type=int, default=32768,
+                        help="tokens a rank trains on a step, batch 1 (default: %(default)s)")
     parser.add_argument("--variant", default="q35lab", choices=sorted(VARIANTS), metavar="VARIANT",
                         help="what to train (default: %(default)s): " + ", ".join(sorted(VARIANTS)))
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank on every linear layer (default: %(default)s)")

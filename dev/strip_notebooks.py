@@ -15,7 +15,8 @@ def strip(path: str) -> None:
     for cell in nb["cells"]:
         cell.get("metadata", {}).pop("execution", None)
         if cell["cell_type"] == "code":
-            cell["outputs"] = [o for o in cell["outputs"] if not (o.get("output_type") == "stream" and o.get("name") == "stderr")]
+            cell["outputs"] = [o for o in cell["outputs"]
+                               if not (o.get("output_type") == "stream" and o.get("name") == "stderr")]
     with open(path, "w") as f:
         json.dump(nb, f, indent=1, ensure_ascii=False)
         f.write("\n")

@@ -7,8 +7,8 @@ defined, hence ``runtime`` is imported first.
 
 from . import runtime  # noqa: F401  (first: chooses compiled Triton or the interpreter)
 from .ops.causal_conv1d import causal_conv1d
-from .ops.gated_rms_norm import GatedRMSNorm, gated_rms_norm
 from .ops.fused_projections import Projection, fused_lora_projections
+from .ops.gated_rms_norm import GatedRMSNorm, gated_rms_norm
 from .ops.linear_cross_entropy import linear_cross_entropy
 from .ops.lora import lora_linear
 from .ops.offset_rms_norm import OffsetRMSNorm, offset_rms_norm

@@ -125,7 +125,8 @@ def _config_source(text: str) -> str:
 
 
 def _parser(known: list[str]) -> argparse.ArgumentParser:
-    from .demo import __doc__ as demo_doc, add_arguments as demo_arguments
+    from .demo import __doc__ as demo_doc
+    from .demo import add_arguments as demo_arguments
 
     parser = argparse.ArgumentParser(prog="python -m q35lab", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,

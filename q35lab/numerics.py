@@ -51,7 +51,8 @@ def scaled_atol(exact: torch.Tensor, dtype: torch.dtype) -> float:
     return ATOL[dtype] * min(1.0, largest)
 
 
-def compare(name: str, out: torch.Tensor, ref: torch.Tensor, ref64: torch.Tensor, atol: float | None = None) -> Comparison:
+def compare(name: str, out: torch.Tensor, ref: torch.Tensor, ref64: torch.Tensor,
+            atol: float | None = None) -> Comparison:
     """Apply the rule to ``out`` (the kernel), ``ref`` (same dtype) and ``ref64`` (fp64).
 
     Args:
@@ -75,7 +76,8 @@ def compare(name: str, out: torch.Tensor, ref: torch.Tensor, ref64: torch.Tensor
     if atol is not None:
         atol = check_real("atol", atol, minimum=0)
     if out.shape != ref64.shape or ref.shape != ref64.shape:
-        raise ValueError(f"{name}: shapes differ: out {tuple(out.shape)}, ref {tuple(ref.shape)}, ref64 {tuple(ref64.shape)}")
+        raise ValueError(f"{name}: shapes differ: out {tuple(out.shape)}, ref {tuple(ref.shape)}, "
+                         f"ref64 {tuple(ref64.shape)}")
     exact = ref64.double()
     kernel_err = (out.double() - exact).abs().max().item() if out.numel() else 0.0
     ref_err = (ref.double() - exact).abs().max().item() if ref.numel() else 0.0
@@ -84,7 +86,8 @@ def compare(name: str, out: torch.Tensor, ref: torch.Tensor, ref64: torch.Tensor
     return Comparison(name, kernel_err, ref_err, atol)
 
 
-def assert_close_by_rule(name: str, out: torch.Tensor, ref: torch.Tensor, ref64: torch.Tensor, atol: float | None = None) -> None:
+def assert_close_by_rule(name: str, out: torch.Tensor, ref: torch.Tensor, ref64: torch.Tensor,
+                         atol: float | None = None) -> None:
     """``compare`` and raise ``AssertionError`` with the numbers when the rule fails."""
     result = compare(name, out, ref, ref64, atol)
     assert result.ok, str(result)

@@ -99,7 +99,7 @@ else:
     print(f"{{torch.cuda.get_device_name()}}: {{total / 2**30:.0f}} GiB, {{free / 2**30:.0f}} free; this notebook needs {{NEEDS_GIB}} GiB")
     if free < NEEDS_GIB * 2**30:
         print("Less free memory than this notebook's sizes need: its largest cases will run out of memory.")
-'''
+'''  # noqa: E501 (the notebooks' first cell as they hold it: rewrapping it here would rewrite every notebook)
 
 
 def cell_source(notebook: str, url: str | None = None) -> str:
@@ -126,7 +126,8 @@ def main(argv: list[str]) -> int:
         wrong.append(path.name)
         if not check:
             cell["source"] = want.splitlines(keepends=True)
-            cell["metadata"] = {**cell["metadata"], "tags": sorted({*cell["metadata"].get("tags", []), "skip-execution"})}
+            tags = sorted({*cell["metadata"].get("tags", []), "skip-execution"})
+            cell["metadata"] = {**cell["metadata"], "tags": tags}
             cell["outputs"], cell["execution_count"] = [], None
             path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
     if check and wrong:

@@ -32,13 +32,27 @@ def roomy_host(monkeypatch):
     reserve (q35lab.long_context.host_memory_available): what the tests check of it must not hang
     on how busy this machine is (the suite beside a notebook kernel left 12 GiB of 24 once, and
     six offload tests failed). Tests of the refusal, or of a sizing, set the host they need."""
-    from q35lab import long_context
 
-    monkeypatch.setattr(long_context, "host_memory_available", lambda: 2**40)
+    patch_everywhere(monkeypatch, "host_memory_available", lambda: 2**40)
+
+
+def patch_everywhere(monkeypatch, name: str, value) -> None:
+    """``monkeypatch.setattr`` of ``name`` in every q35lab module that binds the same object: a function is
+    defined in one module and imported by name into the others that call it."""
+    import sys
+
+    modules = [m for n, m in list(sys.modules.items()) if n.startswith("q35lab") and hasattr(m, name)]
+    owners = [m for m in modules if getattr(getattr(m, name), "__module__", None) == m.__name__] or modules
+    assert owners, f"no q35lab module defines {name}"
+    original = getattr(owners[0], name)
+    for module in modules:
+        if getattr(module, name) is original:
+            monkeypatch.setattr(module, name, value)
 
 
 def pytest_runtest_makereport(item, call):
     if call.excinfo is not None:
         for key, value in item.user_properties:
             if key == "seed":
-                call.excinfo.value.args = (*call.excinfo.value.args, f"(torch seed {value})") if call.excinfo.value.args else (f"(torch seed {value})",)
+                seed = f"(torch seed {value})"
+                call.excinfo.value.args = (*call.excinfo.value.args, seed) if call.excinfo.value.args else (seed,)

@@ -238,7 +238,8 @@ def test_under_torch_compile():
     eager = block(xs[0], ws[0], b)
     compiled = torch.compile(block, backend="aot_eager", fullgraph=False)(xs[1], ws[1], b)
     torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
-    for ge, gc in zip(torch.autograd.grad(eager, [xs[0], ws[0]], dy), torch.autograd.grad(compiled, [xs[1], ws[1]], dy)):
+    for ge, gc in zip(torch.autograd.grad(eager, [xs[0], ws[0]], dy),
+                      torch.autograd.grad(compiled, [xs[1], ws[1]], dy)):
         torch.testing.assert_close(gc, ge, rtol=1e-6, atol=1e-6)
 
 
@@ -269,18 +270,26 @@ def _t(*shape, dtype=torch.float32):
         ((_t(1, 4, 8), _t(8, 4), _t(7)), {}, ValueError, "bias: expected a 1-D tensor of size 8"),
         ((_t(1, 4, 8), _t(8, 4), _t(8, dtype=torch.int64)), {}, TypeError, "bias: expected dtype"),
         ((_t(1, 4, 8), _t(8, 4)), {"activation": "gelu"}, ValueError, "activation: expected None, 'silu' or 'swish'"),
-        ((_t(1, 4, 8), _t(8, 4)), {"cu_seqlens": torch.tensor([0.0, 4.0])}, TypeError, "cu_seqlens: expected dtype int32"),
+        ((_t(1, 4, 8), _t(8, 4)), {"cu_seqlens": torch.tensor([0.0, 4.0])}, TypeError,
+         "cu_seqlens: expected dtype int32"),
         ((_t(1, 4, 8), _t(8, 4)), {"cu_seqlens": [0, 4]}, TypeError, "cu_seqlens: expected a torch.Tensor"),
         ((_t(1, 4, 8), _t(8, 4)), {"cu_seqlens": torch.tensor([4])}, ValueError, "cu_seqlens: expected a 1-D tensor"),
         ((_t(1, 4, 8), _t(8, 4)), {"cu_seqlens": torch.tensor([[0, 4]])}, ValueError, "cu_seqlens: expected a 1-D"),
-        ((_t(1, 4, 8), _t(8, 4)), {"cu_seqlens": torch.tensor([1, 4])}, ValueError, "cu_seqlens: expected to start at 0"),
-        ((_t(1, 4, 8), _t(8, 4)), {"cu_seqlens": torch.tensor([0, 3])}, ValueError, "cu_seqlens: expected to end at T = 4"),
-        ((_t(1, 4, 8), _t(8, 4)), {"cu_seqlens": torch.tensor([0, 3, 2, 4])}, ValueError, "cu_seqlens: expected non-decreasing"),
-        ((_t(2, 4, 8), _t(8, 4)), {"cu_seqlens": torch.tensor([0, 4])}, ValueError, "cu_seqlens: a packed batch needs x of batch size 1"),
+        ((_t(1, 4, 8), _t(8, 4)), {"cu_seqlens": torch.tensor([1, 4])}, ValueError,
+         "cu_seqlens: expected to start at 0"),
+        ((_t(1, 4, 8), _t(8, 4)), {"cu_seqlens": torch.tensor([0, 3])}, ValueError,
+         "cu_seqlens: expected to end at T = 4"),
+        ((_t(1, 4, 8), _t(8, 4)), {"cu_seqlens": torch.tensor([0, 3, 2, 4])}, ValueError,
+         "cu_seqlens: expected non-decreasing"),
+        ((_t(2, 4, 8), _t(8, 4)), {"cu_seqlens": torch.tensor([0, 4])}, ValueError,
+         "cu_seqlens: a packed batch needs x of batch size 1"),
         ((_t(1, 4, 8), _t(8, 4)), {"config": {"block_t": 4}}, TypeError, "config: expected a LaunchConfig"),
-        ((_t(1, 4, 8), _t(8, 4)), {"initial_rows": _t(1, 4, 8)}, ValueError, r"initial_rows: expected shape \(1, 3, 8\)"),
-        ((_t(2, 4, 8), _t(8, 4)), {"initial_rows": _t(1, 3, 8)}, ValueError, r"initial_rows: expected shape \(2, 3, 8\)"),
-        ((_t(1, 4, 8), _t(8, 4)), {"initial_rows": _t(1, 3, 8, dtype=torch.int32)}, TypeError, "initial_rows: expected dtype"),
+        ((_t(1, 4, 8), _t(8, 4)), {"initial_rows": _t(1, 4, 8)}, ValueError,
+         r"initial_rows: expected shape \(1, 3, 8\)"),
+        ((_t(2, 4, 8), _t(8, 4)), {"initial_rows": _t(1, 3, 8)}, ValueError,
+         r"initial_rows: expected shape \(2, 3, 8\)"),
+        ((_t(1, 4, 8), _t(8, 4)), {"initial_rows": _t(1, 3, 8, dtype=torch.int32)}, TypeError,
+         "initial_rows: expected dtype"),
         ((_t(1, 4, 8), _t(8, 4)), {"initial_rows": _t(1, 3, 8), "cu_seqlens": torch.tensor([0, 4])}, ValueError,
          "initial_rows: not with cu_seqlens"),
     ],

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from conftest import patch_everywhere
 
 from q35lab import bench, runtime
 
@@ -85,7 +86,8 @@ def test_a_peer_outside_the_bound_is_reported_but_does_not_fail_the_check():
 
     row = {"op": "lora", "T": 3, "dtype": "bfloat16", "tensor": "y", "kernel_err": 0.0, "bound": 0.1}
     line, passed = verdict([{**row, "impl": "q35lab", "ok": True}, {**row, "impl": "liger", "ok": False}])
-    assert passed and line == "all 1 checks passed (peers: 0 of 1 within the bound: outside lora liger y (bfloat16, T=3))"
+    assert passed and line == ("all 1 checks passed (peers: 0 of 1 within the bound: "
+                               "outside lora liger y (bfloat16, T=3))")
     assert verdict([]) == ("no checks of q35lab ran", False)
 
 
@@ -131,7 +133,8 @@ def test_plan_prints_the_longest_planned_step_and_the_call_that_turns_it_on(caps
                                     host_reserve_bytes=_reserve(host))
     assert expected.fits and expected.tokens > 0, (gpu, host)
     assert code == 0, (gpu, host, out)
-    assert out.splitlines() == [str(expected), f"turn it on with: q35lab.apply_to_qwen3_5(model, long_context={expected.tokens})"]
+    assert out.splitlines() == [str(expected),
+                                f"turn it on with: q35lab.apply_to_qwen3_5(model, long_context={expected.tokens})"]
 
 
 def test_plan_for_tokens_is_plan_long_context_and_exits_1_when_it_does_not_fit(capsys):
@@ -249,7 +252,8 @@ def test_a_usage_error_prints_the_usage_and_the_error_only():
     assert all(line.startswith(" ") for line in lines[1:-1])  # the rest is the usage's continuation
     e2e = _cli("--T", "4k", "0", "--out", "x.csv", module="q35lab.e2e")
     assert e2e.returncode == 2 and e2e.stderr.splitlines()[0].startswith("usage: python -m q35lab.e2e")
-    assert e2e.stderr.splitlines()[-1] == "python -m q35lab.e2e: error: argument --T: expected at least 1 token, got '0'"
+    assert e2e.stderr.splitlines()[-1] == ("python -m q35lab.e2e: error: argument --T: "
+                                           "expected at least 1 token, got '0'")
     assert "Q35labNotice" not in e2e.stderr and "Q35labNotice" not in out.stderr
 
 
@@ -273,7 +277,8 @@ def test_e2e_prints_the_notice_once_when_it_runs_and_never_in_its_variants_proce
 
     children = []
     monkeypatch.setattr(runtime, "interpreter_notice", lambda: "the notice")
-    monkeypatch.setattr(cli.subprocess, "run", lambda command: children.append(command) or subprocess.CompletedProcess(command, 0))
+    monkeypatch.setattr(cli.subprocess, "run",
+                        lambda command: children.append(command) or subprocess.CompletedProcess(command, 0))
     out = tmp_path / "rows.csv"
     assert cli.main(["--variants", "peft", "q35lab", "--size", "tiny", "--T", "16", "--out", str(out)]) == 0
     assert capsys.readouterr().err == "the notice\n" and len(children) == 2
@@ -369,13 +374,14 @@ def test_plan_says_which_host_memory_it_assumed_and_the_longest_step_that_fits(c
     from q35lab.bench.e2e.model import config
 
     host = random.uniform(8, 256) * GIB  # this machine's, as the plan reads it: fresh each run
-    monkeypatch.setattr(long_context, "host_memory_available", lambda: host)
+    patch_everywhere(monkeypatch, "host_memory_available", lambda: host)
     gpu = random.uniform(40, 100)
     code, out = _plan(capsys, "--tokens", "1M", "--gpu-gib", f"{gpu}")
     lines = out.splitlines()
     reserve = long_context.default_host_reserve()
     assert code == 1 and lines[0] == (f"Host memory: this machine's, {host / GIB:.1f} GiB available, of which the "
-                                      f"offload leaves {reserve / GIB:.1f} GiB free; --host-gib plans for another host.")
+                                      f"offload leaves {reserve / GIB:.1f} GiB free; "
+                                      "--host-gib plans for another host.")
     settings = dict(gpu_bytes=gpu * GIB, host_bytes=host, host_reserve_bytes=reserve)
     assert lines[1] == str(long_context.plan_long_context(config("9b"), 2**20, **settings))
     longest = long_context.longest_planned_step(config("9b"), **settings)
@@ -388,14 +394,13 @@ def test_plan_says_which_host_memory_it_assumed_and_the_longest_step_that_fits(c
 def test_plan_without_a_gpu_says_the_host_is_this_machines_while_the_gpu_is_an_h200s(capsys, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the plan is for it")
-    from q35lab import long_context
 
-    monkeypatch.setattr(long_context, "host_memory_available", lambda: 20 * GIB)
+    patch_everywhere(monkeypatch, "host_memory_available", lambda: 20 * GIB)
     _, out = _plan(capsys, "--size", "27b")
     lines = out.splitlines()
     assert lines[0].startswith("No CUDA GPU here: planning for an H200")
     assert lines[1].startswith("Host memory: this machine's (while the GPU is an H200's), 20.0 GiB available")
-    monkeypatch.setattr(long_context, "host_memory_available", lambda: None)
+    patch_everywhere(monkeypatch, "host_memory_available", lambda: None)
     _, out = _plan(capsys, "--size", "27b", "--gpu-gib", "80")
     assert out.splitlines()[0] == "Host memory: unknown here, so the plan offloads nothing; --host-gib gives it."
 

@@ -5,7 +5,7 @@ delta-rule switch that hands fla's core q, k and v through it."""
 import pytest
 import torch
 
-from q35lab import patch
+from q35lab.hf import gated_delta_net as hf_gdn
 from q35lab.ops.contiguous_rows import contiguous_rows, strided_rows
 from q35lab.runtime import device
 
@@ -77,15 +77,15 @@ def test_the_delta_rule_switch_hands_fla_s_core_contiguous_q_k_v_and_others_the_
     g = beta = torch.zeros(1, 11, 4, device=device())
     for fla_core, expected in ((True, [True] * 3), (False, [False] * 3)):
         seen = []
-        out, _ = patch._PerSequenceDeltaRule(_recording_core(seen), fla_core)(*views, g, beta)
+        out, _ = hf_gdn._PerSequenceDeltaRule(_recording_core(seen), fla_core)(*views, g, beta)
         assert seen == expected and torch.allclose(out, sum(v.sum() for v in views))
 
 
 def test_the_switch_asks_whether_the_function_it_wraps_is_fla_s():
     fla_like = _recording_core([])
     fla_like.__module__ = "fla.ops.gated_delta_rule.chunk"
-    assert patch._DeltaRuleSwitch.install(fla_like).replacement().fla_core
-    assert not patch._DeltaRuleSwitch.install(_recording_core([])).replacement().fla_core
+    assert hf_gdn.DeltaRuleSwitch.install(fla_like).replacement().fla_core
+    assert not hf_gdn.DeltaRuleSwitch.install(_recording_core([])).replacement().fla_core
 
 
 def test_the_benchmark_copies_what_fla_is_given_and_counts_its_bytes():

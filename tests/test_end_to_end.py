@@ -6,9 +6,8 @@ import math
 import pathlib
 import random
 import re
-import sys
-
 import subprocess
+import sys
 import types
 
 import pandas as pd
@@ -16,6 +15,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from conftest import patch_everywhere
 
 import q35lab
 from q35lab import e2e
@@ -180,7 +180,8 @@ def _search(peak, limit, budget=None, **options):
     return tried, max(T for T, (status, _) in seen.items() if status == "ok")
 
 
-@pytest.mark.parametrize("fixed_gib, kib_per_token, limit_gib", [(17.2, 437, 78.5), (17.2, 605, 139), (21.7, 154.5, 139),
+@pytest.mark.parametrize("fixed_gib, kib_per_token, limit_gib",
+                         [(17.2, 437, 78.5), (17.2, 605, 139), (21.7, 154.5, 139),
                                                                  (3.0, 91.0, 10.0)])
 def test_fit_search_brackets_the_longest_step_to_one_step(fixed_gib, kib_per_token, limit_gib):
     """The search ends with the longest fit known to one step: a fit, and the step above it out of memory."""
@@ -263,7 +264,7 @@ def test_a_row_runs_out_of_memory_whether_the_allocator_or_a_triton_launch_says_
         (ValueError("out of memory in a message that is not CUDA's"), "error", "ValueError"),
     ]:
         def measure(*_, **__):
-            raise raised
+            raise raised  # noqa: B023 (called within this iteration, by the row below)
 
         monkeypatch.setattr(cli, "measure", measure)
         row = cli._measured(None, 4096, args)
@@ -373,7 +374,7 @@ def test_long_context_variants_tile_the_mlps_and_offload_what_the_host_holds(mon
     assert any("tiled" in name for name in report.replaced), report
     assert not any("offloaded" in name for name in report.replaced), report
     config = e2e.config("9b")
-    monkeypatch.setattr("q35lab.long_context.host_memory_available", lambda: 125 * 2**30)
+    patch_everywhere(monkeypatch, "host_memory_available", lambda: 125 * 2**30)
     big = types.SimpleNamespace(config=config, parameters=lambda: iter([torch.zeros(1)]))  # a model on the CPU
     planned = q35lab.long_context.plan_offload_layers(config, 512 * 1024, host_bytes=125 * 2**30,
                                                       tiled_mlp_tokens=8192, tiled_gdn_tokens=8192)
@@ -381,24 +382,26 @@ def test_long_context_variants_tile_the_mlps_and_offload_what_the_host_holds(mon
                                                           tiled_gdn_tokens=8192) == planned[0] > 0
     # planned for the model's own GPU: on a smaller one, more layers for a shorter step
     smaller = 79 * 2**30
-    monkeypatch.setattr("q35lab.long_context.usable_gpu_bytes", lambda device=None: smaller)
+    patch_everywhere(monkeypatch, "usable_gpu_bytes", lambda device=None: smaller)
     on_smaller = q35lab.long_context.plan_offload_layers(config, 320 * 1024, gpu_bytes=smaller, host_bytes=125 * 2**30,
                                                          tiled_mlp_tokens=8192, tiled_gdn_tokens=8192)
     on_h200 = q35lab.long_context.plan_offload_layers(config, 320 * 1024, host_bytes=125 * 2**30,
                                                       tiled_mlp_tokens=8192, tiled_gdn_tokens=8192)
     assert on_smaller[1] and on_smaller[0] > on_h200[0]
-    assert variants.planned_offload_layers(big, 320 * 1024, tiled_mlp_tokens=8192, tiled_gdn_tokens=8192) == on_smaller[0]
+    assert variants.planned_offload_layers(big, 320 * 1024, tiled_mlp_tokens=8192,
+                                           tiled_gdn_tokens=8192) == on_smaller[0]
     monkeypatch.undo()
-    monkeypatch.setattr("q35lab.long_context.host_memory_available", lambda: 125 * 2**30)
+    patch_everywhere(monkeypatch, "host_memory_available", lambda: 125 * 2**30)
     assert variants.planned_offload_layers(big, 32768, tiled_mlp_tokens=8192, tiled_gdn_tokens=8192) == 0
     # where no fit is predicted, every layer the host holds: the attempt still runs
     assert variants.planned_offload_layers(big, 4 * 2**20, tiled_mlp_tokens=8192) == variants.offloadable_layers(
         big, 4 * 2**20)
     layers = model.config.get_text_config().num_hidden_layers
     per_layer = 4096 * model.config.get_text_config().hidden_size * 2
-    monkeypatch.setattr("q35lab.long_context.host_memory_available", lambda: q35lab.long_context.default_host_reserve() + 2.5 * per_layer)
+    patch_everywhere(monkeypatch, "host_memory_available",
+                     lambda: q35lab.long_context.default_host_reserve() + 2.5 * per_layer)
     assert variants.offloadable_layers(model, 4096) == min(layers, 2)
-    monkeypatch.setattr("q35lab.long_context.host_memory_available", lambda: None)
+    patch_everywhere(monkeypatch, "host_memory_available", lambda: None)
     assert variants.offloadable_layers(model, 4096) == layers
     tiled_only = e2e.prepare(_model(), "q35lab+tiled", tokens=16)
     assert not any("offloaded" in name for name in tiled_only.replaced), tiled_only
@@ -427,7 +430,8 @@ def test_a_second_run_keeps_the_rows_it_did_not_measure_again(tmp_path):
     assert again.loc[again["T"] == 131072, "step_ms"].item() == 4.0
     # a child writes a step's row, then the row again with its breakdown: the completed line wins
     done = e2e.merge_rows(path, [{"variant": "q35lab", "T": 32768, "step_ms": 5.0},
-                                 {"variant": "q35lab", "T": 32768, "step_ms": 5.0, "floor_ms": 4.0}], last_line_wins=True)
+                                 {"variant": "q35lab", "T": 32768, "step_ms": 5.0, "floor_ms": 4.0}],
+                                 last_line_wins=True)
     row = done.loc[(done.variant == "q35lab") & (done["T"] == 32768)]
     assert len(row) == 1 and row.floor_ms.item() == 4.0
 
@@ -570,7 +574,8 @@ def test_axolotl_recipe_builds_liger_norms_and_loss_around_axolotl_lora_kernels(
                              "Liger's fused linear cross entropy; axolotl: lora_mlp_kernel on 4 MLPs"), report
     assert "qkv on 1 and o on 1 attentions" in report and "gated norm 3" in report
     kinds = collections.Counter(type(m).__name__ for m in model.modules())
-    assert (kinds["LigerSwiGLUMLP"], kinds["FusedRMSNormGated"], kinds["Qwen3_5RMSNorm"], kinds["Qwen3_5MLP"]) == (4, 3, 0, 0)
+    assert (kinds["LigerSwiGLUMLP"], kinds["FusedRMSNormGated"], kinds["Qwen3_5RMSNorm"],
+            kinds["Qwen3_5MLP"]) == (4, 3, 0, 0)
     norms = [m for m in model.modules() if type(m).__name__ == "LigerRMSNormForQwen3_5"]
     assert len(norms) == 11 and all((n.offset, n.casting_mode, n.in_place) == (1.0, "gemma", False) for n in norms)
     mlps = [m for m in model.modules() if type(m).__name__ == "LigerSwiGLUMLP"]
@@ -608,12 +613,13 @@ def test_real_sizes_have_their_published_dimensions():
     nine, big, moe = (e2e.config(size) for size in ("9b", "27b", "35b-a3b"))
     assert (nine.num_hidden_layers, nine.hidden_size, nine.intermediate_size) == (32, 4096, 12288)
     assert (big.num_hidden_layers, big.hidden_size, big.intermediate_size, big.num_attention_heads,
-            big.num_key_value_heads, big.linear_num_key_heads, big.linear_num_value_heads) == (64, 5120, 17408, 24, 4, 16, 48)
+            big.num_key_value_heads, big.linear_num_key_heads, big.linear_num_value_heads) == (64, 5120, 17408, 24, 4,
+                                                                                               16, 48)
     assert type(moe).__name__ == "Qwen3_5MoeTextConfig"
     assert (moe.num_hidden_layers, moe.hidden_size, moe.num_experts, moe.num_experts_per_tok,
             moe.moe_intermediate_size) == (40, 2048, 256, 8, 512)
-    assert all(c.vocab_size == 248_320 and c.layer_types[3] == "full_attention" and c.layer_types[2] == "linear_attention"
-               for c in (nine, big, moe))
+    assert all(c.vocab_size == 248_320 and c.layer_types[3] == "full_attention"
+               and c.layer_types[2] == "linear_attention" for c in (nine, big, moe))
     assert e2e.config("9b", layers=4).num_hidden_layers == 4 and e2e.config("h200").num_hidden_layers == 4
     with pytest.raises(ValueError, match="size: expected one of"):
         e2e.config("7b")
@@ -725,13 +731,15 @@ def test_the_floor_counts_every_linear_layer_of_the_model(size):
     ("_offset_rms_norm_fwd_kernel", "q35lab kernels"),
     ("_gated_rms_norm_bwd_kernel", "q35lab kernels"),
     ("_swiglu_bwd_kernel", "q35lab kernels"),
-    ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::direct_copy_kernel_cuda"
-     "(at::TensorIteratorBase&)::{lambda()#3}::operator()() const::{lambda(float)#1}>>", "copies/casts"),
+    ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<"
+     "at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::operator()() const::"
+     "{lambda(float)#1}>>", "copies/casts"),
     ("Memcpy DtoD (Device -> Device)", "copies/casts"),
     ("aten::_to_copy", "copies/casts"),
     ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor<float, "
      "float, float, at::native::binary_internal::MulFunctor<float>>>>", "other elementwise"),
-    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>, std::array<char*, 3>>",
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>, "
+     "std::array<char*, 3>>",
      "other elementwise"),
     ("_rms_norm_forward_kernel", "other elementwise"),  # Liger's
 ])
@@ -766,7 +774,8 @@ def _profile_of_a_step():
 
     model = frames("transformers/models/qwen3_5/modeling_qwen3_5.py(545): forward",
                    "peft/tuners/lora/layer.py(1074): forward")
-    cumsum = cpu("aten::cumsum", frames("transformers/models/qwen3_5/modeling_qwen3_5.py(286): torch_chunk_gated_delta_rule"),
+    cumsum = cpu("aten::cumsum",
+                 frames("transformers/models/qwen3_5/modeling_qwen3_5.py(286): torch_chunk_gated_delta_rule"),
                  seq=9)
     sdpa = cpu("aten::_flash_attention_forward", frames("transformers/integrations/sdpa_attention.py(96): "
                                                         "sdpa_attention_forward"), id=77)
@@ -810,7 +819,8 @@ def test_the_breakdown_groups_device_time_by_category_and_names_the_launching_co
     assert sum(r["share"] for r in rows.values()) == pytest.approx(1.0) and rows["GEMM"]["share"] == pytest.approx(0.5)
     sources = {c: json.loads(r["sources"]) for c, r in rows.items()}
     assert sources["GEMM"] == {} and sources["conv"] == {}  # GEMM's are not named; conv took nothing
-    assert sources["attention"] == {"transformers:sdpa_attention.sdpa_attention_forward": 0.04}  # the op it is linked to
+    # the op it is linked to
+    assert sources["attention"] == {"transformers:sdpa_attention.sdpa_attention_forward": 0.04}
     assert sources["delta rule"] == {  # aten kernels of the PyTorch delta rule, its backward named by its forward op
         "transformers:modeling_qwen3_5.torch_chunk_gated_delta_rule": 0.08,
         "backward of transformers:modeling_qwen3_5.torch_chunk_gated_delta_rule": 0.07}
@@ -834,7 +844,8 @@ def test_breakdown_writes_one_row_per_category_beside_the_floor(tmp_path, monkey
     row names the caching allocator's settings the process ran with."""
     out = tmp_path / "end_to_end.csv"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    assert e2e.main(["--variants", "peft", "--size", "tiny", "--T", "16", "--steps", "1", "--warmup", "0", "--breakdown",
+    assert e2e.main(["--variants", "peft", "--size", "tiny", "--T", "16", "--steps", "1", "--warmup", "0",
+                     "--breakdown",
                      "--out", str(out)]) == 0
     import pandas as pd
 
@@ -843,7 +854,8 @@ def test_breakdown_writes_one_row_per_category_beside_the_floor(tmp_path, monkey
     assert steps.allocator.tolist() == ["expandable_segments:True"]
     assert list(categories.category) == ["GEMM", "attention", "delta rule", "conv", "q35lab kernels", "copies/casts",
                                          "other elementwise"]
-    assert (categories[["variant", "T", "size", "layers"]].drop_duplicates().values.tolist() == [["peft", 16, "tiny", 4]])
+    assert (categories[["variant", "T", "size", "layers"]].drop_duplicates().values.tolist()
+            == [["peft", 16, "tiny", 4]])
     # (five significant digits in the CSV)
     assert categories.share.sum() == pytest.approx(1.0, rel=1e-4)
     assert categories.ms.sum() == pytest.approx(categories.device_ms[0], rel=1e-4)
@@ -931,11 +943,11 @@ def test_a_failed_child_replaces_only_its_own_size_rows(tmp_path, monkeypatch):
 def test_a_recorded_step_failing_with_a_system_error_runs_again_without_the_recompute_early_stop():
     """memory_at_peak's way around pytorch#179536: the step once more with the recompute run to
     each layer's end; a step that works runs once, and other errors are not caught."""
+    import weakref
+
     import torch.utils.checkpoint as checkpointing
 
     from q35lab.bench.e2e.memory import with_full_recompute_on_system_error
-
-    import weakref
 
     seen, first_steps_tensor = [], []
 
@@ -944,7 +956,8 @@ def test_a_recorded_step_failing_with_a_system_error_runs_again_without_the_reco
         if len(seen) == 1:
             held = torch.ones(1000)  # what a failed step's frames hold (its graph, its checkpoints)
             first_steps_tensor.append(weakref.ref(held))
-            raise SystemError("<built-in method apply of FunctionMeta object> returned NULL without setting an exception")
+            raise SystemError("<built-in method apply of FunctionMeta object> returned NULL "
+                              "without setting an exception")
         assert first_steps_tensor[0]() is None  # the failed step's frames are gone before the retry
         return "snapshot"
 

@@ -7,7 +7,12 @@ import q35lab
 from q35lab.long_context import enable_checkpointing
 from q35lab.numerics import assert_close_by_rule
 from q35lab.ops.fused_projections import (
-    ConcatCache, FusedLoRAProjectionsFunction, Projection, fused_lora_projections, fused_lora_projections_ref, pack_rows,
+    ConcatCache,
+    FusedLoRAProjectionsFunction,
+    Projection,
+    fused_lora_projections,
+    fused_lora_projections_ref,
+    pack_rows,
     unpack_rows,
 )
 from q35lab.runtime import device
@@ -43,7 +48,8 @@ def _assert_same_outputs_and_gradients(outs, refs, x, ps):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("with_adapter", [(True,) * 4, (True, False, True, False), (False,) * 4, (False, False, False, True)])
+@pytest.mark.parametrize("with_adapter",
+                         [(True,) * 4, (True, False, True, False), (False,) * 4, (False, False, False, True)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_outputs_and_every_gradient_match_the_unfused_computation(with_adapter, bias):
     ps = _projections(with_adapter, bias=bias)
@@ -146,7 +152,8 @@ def test_packed_base_weights_make_the_cached_concatenation_a_view():
     x, cache = torch.randn(5, K, device=device()).requires_grad_(), ConcatCache()
     concatenated, _ = cache.get(ps, x.dtype)
     assert concatenated.data_ptr() == weights[0].data_ptr() and torch.equal(concatenated, torch.cat(before))
-    _assert_same_outputs_and_gradients(fused_lora_projections(x, ps, cache=cache), fused_lora_projections_ref(x, ps), x, ps)
+    _assert_same_outputs_and_gradients(fused_lora_projections(x, ps, cache=cache), fused_lora_projections_ref(x, ps),
+                                       x, ps)
     with torch.no_grad():  # an in-place change (a merge) is in the view at once
         weights[2].mul_(3.0)
     torch.testing.assert_close(fused_lora_projections(x, ps, cache=cache)[2], fused_lora_projections_ref(x, ps)[2],
@@ -214,16 +221,24 @@ def test_pack_rows_leaves_alone_weights_that_cannot_share_a_buffer(weights):
         (lambda ps: setattr(ps[0], "dropout", 1.5), ValueError, r"projections\[0\].dropout: expected a probability"),
         (lambda ps: setattr(ps[1], "weight", torch.ones(48, K, dtype=torch.int64)), TypeError,
          r"projections\[1\].weight: expected dtype bfloat16, float16 or float32, got torch.int64"),
-        (lambda ps: ps.__setitem__(2, (ps[2].weight, None)), TypeError, r"projections\[2\]: expected a q35lab Projection, got tuple"),
+        (lambda ps: ps.__setitem__(2, (ps[2].weight, None)), TypeError,
+         r"projections\[2\]: expected a q35lab Projection, got tuple"),
         (lambda ps: setattr(ps[3], "lora_A", ps[3].lora_A.detach().half().to(torch.int32)), TypeError,
          r"projections\[3\].lora_A: expected dtype"),
-        (lambda ps: setattr(ps[0], "bias", torch.randn(95)), ValueError, r"projections\[0\].bias: expected \[96\], got \(95,\)"),
-        (lambda ps: setattr(ps[1], "bias", torch.ones(48, dtype=torch.bool)), TypeError, r"projections\[1\].bias: expected dtype"),
-        (lambda ps: setattr(ps[2], "lora_A", torch.randn(K)), ValueError, r"projections\[2\].lora_A: expected \[r, 64\]"),
-        (lambda ps: setattr(ps[0], "lora_B", torch.randn(96, 4, 1)), ValueError, r"projections\[0\].lora_B: expected \[96, 4\]"),
-        (lambda ps: setattr(ps[3], "scaling", "two"), TypeError, r"projections\[3\].scaling: expected a real number .*got str"),
-        (lambda ps: setattr(ps[1], "scaling", float("nan")), ValueError, r"projections\[1\].scaling: expected a finite real number"),
-        (lambda ps: setattr(ps[2], "dropout", True), TypeError, r"projections\[2\].dropout: expected a real number .*got bool"),
+        (lambda ps: setattr(ps[0], "bias", torch.randn(95)), ValueError,
+         r"projections\[0\].bias: expected \[96\], got \(95,\)"),
+        (lambda ps: setattr(ps[1], "bias", torch.ones(48, dtype=torch.bool)), TypeError,
+         r"projections\[1\].bias: expected dtype"),
+        (lambda ps: setattr(ps[2], "lora_A", torch.randn(K)), ValueError,
+         r"projections\[2\].lora_A: expected \[r, 64\]"),
+        (lambda ps: setattr(ps[0], "lora_B", torch.randn(96, 4, 1)), ValueError,
+         r"projections\[0\].lora_B: expected \[96, 4\]"),
+        (lambda ps: setattr(ps[3], "scaling", "two"), TypeError,
+         r"projections\[3\].scaling: expected a real number .*got str"),
+        (lambda ps: setattr(ps[1], "scaling", float("nan")), ValueError,
+         r"projections\[1\].scaling: expected a finite real number"),
+        (lambda ps: setattr(ps[2], "dropout", True), TypeError,
+         r"projections\[2\].dropout: expected a real number .*got bool"),
         (lambda ps: setattr(ps[0], "lora_B", torch.randn(96, 4, device="meta")), ValueError,
          r"expected all tensors on one device, got .*projections\[0\].lora_B on meta"),
     ],
@@ -277,7 +292,8 @@ def test_each_output_can_be_edited_in_place_like_a_linear_output(lead, dtype, wi
 
     def edited(fn, x, ps):
         qkv, z, b, a = fn(x, ps)
-        z_scaled = z * z.new_full(z.shape[-1:], 1.5, requires_grad=True)  # saves z: editing the others must not disturb it
+        # saves z: editing the others must not disturb it
+        z_scaled = z * z.new_full(z.shape[-1:], 1.5, requires_grad=True)
         qkv.mul_(2.0)
         b[..., :3].sub_(1.0).mul_(-0.5)  # a view of an output, edited
         a.add_(z[..., :8])
@@ -289,7 +305,8 @@ def test_each_output_can_be_edited_in_place_like_a_linear_output(lead, dtype, wi
 @pytest.mark.parametrize("own_buffer", [(1,), (0,), (3,), (0, 1, 2, 3), (1, 2)])
 @pytest.mark.parametrize("lead,dtype", [((2, 37), torch.float32), ((1,), torch.float32), ((3, 43), torch.bfloat16)])
 @pytest.mark.parametrize("with_adapter,bias", [((True,) * 4, False), ((True, False, False, True), True)])
-def test_an_output_in_a_buffer_of_its_own_is_contiguous_and_computes_the_same(own_buffer, lead, dtype, with_adapter, bias):
+def test_an_output_in_a_buffer_of_its_own_is_contiguous_and_computes_the_same(own_buffer, lead, dtype, with_adapter,
+                                                                              bias):
     ps = _projections(with_adapter, dtype=dtype, bias=bias)
     x = torch.randn(*lead, K, device=device()).to(dtype).requires_grad_()
     outs = fused_lora_projections(x, ps, own_buffer=own_buffer)
@@ -426,7 +443,8 @@ def test_the_patched_gated_delta_net_gets_z_in_a_buffer_of_its_own():
         assert report.replaced["Qwen3_5GatedDeltaNet in_proj (4 projections, 1 node)"] == 1
         gdn = next(m for m in model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet")
         seen = {}
-        hooks = [getattr(gdn, name).register_forward_hook(lambda m, args, out, name=name: seen.__setitem__(name, out))
+        hooks = [getattr(gdn, name).register_forward_hook(
+                     lambda m, args, out, name=name: seen.__setitem__(name, out))  # noqa: B023 (removed below)
                  for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")]
         ids = torch.randint(0, 128, (2, 9), device=device())
         logits = model(input_ids=ids).logits
@@ -442,8 +460,8 @@ def test_the_patched_gated_delta_net_gets_z_in_a_buffer_of_its_own():
 def test_the_patch_packs_the_four_base_weights_and_revert_separates_them(tmp_path):
     """One buffer while patched (no second copy for the fused GEMM); the model saves and loads the
     same weights meanwhile (transformers clones disjoint views of one buffer); revert splits them."""
+    from q35lab.hf.modules import IN_PROJ_NAMES
     from tiny_models import causal_lm
-    from q35lab.patch import IN_PROJ_NAMES
 
     model = causal_lm().requires_grad_(False)  # frozen bases, no adapters: the fusion still applies
     gdn = next(m for m in model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet")

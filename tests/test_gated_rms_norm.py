@@ -131,11 +131,14 @@ def test_empty_input():
     "args,kwargs,error,message",
     [
         ((torch.randn(4, 8), torch.randn(4, 9), torch.ones(8)), {}, ValueError, "gate: expected the shape of x"),
-        ((torch.randn(4, 8), torch.randn(4, 8), torch.ones(9)), {}, ValueError, "weight: expected a 1-D tensor of size 8"),
+        ((torch.randn(4, 8), torch.randn(4, 8), torch.ones(9)), {}, ValueError,
+         "weight: expected a 1-D tensor of size 8"),
         ((torch.ones(4, 8, dtype=torch.int32), torch.randn(4, 8), torch.ones(8)), {}, TypeError, "x: expected dtype"),
-        ((torch.randn(4, 8), torch.ones(4, 8, dtype=torch.int64), torch.ones(8)), {}, TypeError, "gate: expected dtype"),
+        ((torch.randn(4, 8), torch.ones(4, 8, dtype=torch.int64), torch.ones(8)), {}, TypeError,
+         "gate: expected dtype"),
         ((torch.randn(4, 8), torch.randn(4, 8).half(), torch.ones(8)), {}, TypeError, "gate: expected the dtype of x"),
-        ((torch.randn(4, 8), torch.randn(4, 8), torch.ones(8)), {"rounding": "llama"}, ValueError, "rounding: expected"),
+        ((torch.randn(4, 8), torch.randn(4, 8), torch.ones(8)), {"rounding": "llama"}, ValueError,
+         "rounding: expected"),
         ((torch.randn(4, 8), torch.randn(4, 8), torch.ones(8)), {"eps": 0.0}, ValueError, "eps: expected a positive"),
     ],
 )

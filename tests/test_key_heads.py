@@ -12,26 +12,28 @@ import sys
 
 import pytest
 import torch
+from conftest import patch_everywhere
 
 import q35lab
-from q35lab import long_context, patch
+from q35lab.hf import gated_delta_net as hf_gdn
+from q35lab.hf import modules as hf_modules
 from q35lab.numerics import assert_close_by_rule
+from q35lab.patch import markers as patch_markers
 from q35lab.runtime import device
-
 from tiny_models import causal_lm
 
 SKIPPED = "Qwen3_5GatedDeltaNet q/k head repeat (skipped: fla's core groups the key heads)"
 
 
 def _gdns(model):
-    return [m for m in model.modules() if patch._is_gated_delta_net(m)]
+    return [m for m in model.modules() if hf_modules.is_gated_delta_net(m)]
 
 
 @pytest.fixture
 def repeating_forward_with_fla(monkeypatch):
     """transformers 5.17's situation on a GPU with fla: the forward repeats, fla is the core."""
-    monkeypatch.setattr(long_context, "_forward_repeats_key_heads", lambda cls: True)
-    monkeypatch.setattr(patch, "_core_groups_key_heads", lambda gdn: True)
+    patch_everywhere(monkeypatch, "forward_repeats_key_heads", lambda cls: True)
+    patch_everywhere(monkeypatch, "core_groups_key_heads", lambda gdn: True)
 
 
 def test_this_transformers_and_core_decide_whether_the_repeat_is_skipped():
@@ -39,7 +41,7 @@ def test_this_transformers_and_core_decide_whether_the_repeat_is_skipped():
     gdn = _gdns(model)[0]
     before = (gdn.num_k_heads, gdn.num_v_heads)
     assert before[0] < before[1]  # the tiny model groups its key heads: a repeat to skip or not
-    skip = long_context._forward_repeats_key_heads(type(gdn)) and patch._core_groups_key_heads(gdn)
+    skip = hf_gdn.forward_repeats_key_heads(type(gdn)) and hf_gdn.core_groups_key_heads(gdn)
     assert skip == (skip and importlib.util.find_spec("fla") is not None)  # never without fla
     report = q35lab.apply_to_qwen3_5(model)
     assert (SKIPPED in report.replaced) == skip
@@ -65,15 +67,15 @@ def test_the_core_is_read_from_what_transformers_resolved_through_the_switch():
     fla_core.__module__ = "fla.ops.gated_delta_rule.chunk"
     for implementation in (torch_core, fla_core):
         wrapped = _kernel_hub_wrapper(implementation, torch_core)
-        assert patch._resolved_core(wrapped) is implementation
-        assert patch._resolved_core(patch._DeltaRuleSwitch(wrapped)) is implementation  # q35lab's switch, through
-    assert patch._resolved_core(fla_core) is fla_core and patch._resolved_core(None) is None
+        assert hf_gdn._resolved_core(wrapped) is implementation
+        assert hf_gdn._resolved_core(hf_gdn.DeltaRuleSwitch(wrapped)) is implementation  # q35lab's switch, through
+    assert hf_gdn._resolved_core(fla_core) is fla_core and hf_gdn._resolved_core(None) is None
     # this machine's modeling module: what its names resolve to decides, whatever is installed
     gdn = _gdns(causal_lm())[0]
     module = sys.modules[type(gdn).__module__]
-    resolved = [patch._resolved_core(getattr(module, n, None))
+    resolved = [hf_gdn._resolved_core(getattr(module, n, None))
                 for n in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")]
-    assert patch._core_groups_key_heads(gdn) == all(getattr(f, "__module__", "").startswith("fla.") for f in resolved)
+    assert hf_gdn.core_groups_key_heads(gdn) == all(getattr(f, "__module__", "").startswith("fla.") for f in resolved)
 
 
 def test_the_repeat_is_skipped_once_kept_by_copies_and_reverted(repeating_forward_with_fla):
@@ -91,12 +93,12 @@ def test_the_repeat_is_skipped_once_kept_by_copies_and_reverted(repeating_forwar
     buffer.seek(0)
     for other in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
         for g, heads in zip(_gdns(other), own):
-            assert g.num_k_heads == g.num_v_heads and vars(g)[patch._KEY_HEADS] == heads
+            assert g.num_k_heads == g.num_v_heads and vars(g)[patch_markers.KEY_HEADS] == heads
         reverted = q35lab.revert(other)
         assert reverted.reverted["Qwen3_5GatedDeltaNet q/k head repeat"] == len(gdns)
         assert [g.num_k_heads for g in _gdns(other)] == own
     reverted = q35lab.revert(model)
-    assert [g.num_k_heads for g in gdns] == own and not any(patch._KEY_HEADS in vars(g) for g in gdns)
+    assert [g.num_k_heads for g in gdns] == own and not any(patch_markers.KEY_HEADS in vars(g) for g in gdns)
     assert reverted.reverted["Qwen3_5GatedDeltaNet q/k head repeat"] == len(gdns)
 
 
@@ -108,8 +110,8 @@ def test_with_conv_off_the_repeat_stays(repeating_forward_with_fla):
 
 
 def test_without_fla_as_the_core_the_repeat_stays_and_the_report_says_why(monkeypatch):
-    monkeypatch.setattr(long_context, "_forward_repeats_key_heads", lambda cls: True)
-    monkeypatch.setattr(patch, "_core_groups_key_heads", lambda gdn: False)
+    patch_everywhere(monkeypatch, "forward_repeats_key_heads", lambda cls: True)
+    patch_everywhere(monkeypatch, "core_groups_key_heads", lambda gdn: False)
     model = causal_lm()
     own = [g.num_k_heads for g in _gdns(model)]
     report = q35lab.apply_to_qwen3_5(model)

@@ -13,14 +13,21 @@ import sys
 import peft
 import pytest
 import torch
+from conftest import patch_everywhere
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import q35lab
 from q35lab import long_context as lc
+from q35lab.hf import gated_delta_net as hf_gdn
+from q35lab.hf import modules as hf_modules
+from q35lab.long_context import gated_delta_net as lc_gated_delta_net
+from q35lab.long_context import memory as lc_memory
+from q35lab.long_context import offload as lc_offload
+from q35lab.long_context import tiles as lc_tiles
 from q35lab.numerics import assert_close_by_rule
-from q35lab.ops.swiglu import swiglu_down
+from q35lab.ops.causal_conv1d import causal_conv1d
+from q35lab.ops.swiglu_down import is_unread, swiglu_down, unread_down_outputs
 from q35lab.runtime import device
-
 from tiny_models import TEXT, assert_same_loss_and_grads, causal_lm
 
 MLP_TARGETS = ["gate_proj", "up_proj", "down_proj"]
@@ -153,8 +160,8 @@ def test_a_patched_tiled_mlp_recomputes_each_tile_without_its_down_gemm_and_keep
     q35lab.apply_to_qwen3_5(model)
     assert lc.tile_mlps(model, 4) == 2
     verdicts = []
-    real = lc.is_unread
-    monkeypatch.setattr(lc, "is_unread", lambda y, skipped: verdicts.append((len(skipped), real(y, skipped))) or
+    real = is_unread
+    patch_everywhere(monkeypatch, "is_unread", lambda y, skipped: verdicts.append((len(skipped), real(y, skipped))) or
                         verdicts[-1][1])
     got = _step(model, ids)
     assert verdicts == [(1, True)] * 6  # 2 MLPs × 3 tiles, each one skipped GEMM, none recomputed in full
@@ -195,16 +202,14 @@ def test_a_tile_whose_output_is_not_the_unread_down_projection_is_recomputed_in_
 
 
 def test_is_unread_accepts_the_skipped_output_or_a_whole_view_of_it_and_nothing_written_or_partial():
-    from q35lab.ops import swiglu as sw
-
     gate, up = torch.randn(6, 8, device=device()), torch.randn(6, 8, device=device())
     weight = torch.randn(5, 8, device=device())
-    with sw.unread_down_outputs() as skipped:
+    with unread_down_outputs() as skipped:
         y = swiglu_down(gate.requires_grad_(), up, weight)
-    assert len(skipped) == 1 and sw.is_unread(y, skipped) and sw.is_unread(y.view(30), skipped)
-    assert not sw.is_unread(y[:3], skipped) and not sw.is_unread(y * 1, skipped)
+    assert len(skipped) == 1 and is_unread(y, skipped) and is_unread(y.view(30), skipped)
+    assert not is_unread(y[:3], skipped) and not is_unread(y * 1, skipped)
     y.add_(1)
-    assert not sw.is_unread(y, skipped)
+    assert not is_unread(y, skipped)
     z = swiglu_down(gate, up, weight)  # outside the context: computed
     torch.testing.assert_close(z, (torch.nn.functional.silu(gate) * up) @ weight.t())
 
@@ -387,7 +392,7 @@ def _record_packs(offloader):
 def _drop_empty(packs):
     """Remove the packs of empty tensors (torch 2.11's checkpoint saves one a call; 2.13's none),
     returning how many there were."""
-    nonempty = [p for p in packs if not (isinstance(p[2], lc._Kept) and p[2].tensor.numel() == 0)]
+    nonempty = [p for p in packs if not (isinstance(p[2], lc_offload._Kept) and p[2].tensor.numel() == 0)]
     dropped = len(packs) - len(nonempty)
     packs[:] = nonempty
     return dropped
@@ -409,7 +414,7 @@ def test_offloaded_checkpoint_inputs_live_in_distinct_host_copies_and_give_the_s
     assert offloader.stats == {"packed": L + empty, "offloaded": L, "offloaded_bytes": L * B * T * H * 4,
                                "unpacked": L + empty, "prefetched": L - 1, **kept}
     for source, _, handle in packs:
-        assert isinstance(handle, lc._HostCopy) and tuple(handle.shape) == (B, T, H) and len(handle.chunks) > 1
+        assert isinstance(handle, lc_offload._HostCopy) and tuple(handle.shape) == (B, T, H) and len(handle.chunks) > 1
         assert all(c.device.type == "cpu" and c.untyped_storage().data_ptr() != source for c in handle.chunks)
 
     # the backward reads the host copies: spoil one between forward and backward and the gradients change
@@ -429,7 +434,7 @@ def test_checkpointing_enabled_after_the_offload_and_a_deep_copy_offload_only_ch
     """Enabling checkpointing puts a fresh checkpoint function on every layer (Trainer
     calls it when training starts, after the user patched): the next forward wraps them again.
     A deep copy offloads with an offloader of its own."""
-    B, T, H, L = 1, 9, TEXT["hidden_size"], TEXT["num_hidden_layers"]
+    B, T, L = 1, 9, TEXT["num_hidden_layers"]
     ids = torch.randint(0, 128, (B, T), device=device())
     expected = _step(_model(), ids)
     model = _model(checkpointing=False)
@@ -441,10 +446,10 @@ def test_checkpointing_enabled_after_the_offload_and_a_deep_copy_offload_only_ch
     assert offloader.stats["packed"] - empty == offloader.stats["offloaded"] == L  # one [B, T, H] input a layer
     twin = copy.deepcopy(model)
     _assert_same(_step(twin, ids), expected)
-    twins = {hook.offloader for stack in lc._layer_stacks(twin) for hook in lc._guards(stack).values()}
+    twins = {hook.offloader for stack in hf_modules.layer_stacks(twin) for hook in lc_offload._guards(stack).values()}
     assert len(twins) == 1 and offloader not in twins and next(iter(twins)).stats["offloaded"] == L
     assert lc.restore_decoder_layers(twin) == L
-    assert not any(isinstance(vars(m).get("_gradient_checkpointing_func"), lc._OffloadedCheckpoint)
+    assert not any(isinstance(vars(m).get("_gradient_checkpointing_func"), lc_offload._OffloadedCheckpoint)
                    for m in twin.modules())
 
 
@@ -457,14 +462,14 @@ def test_an_offload_that_would_leave_the_host_too_little_is_a_clear_error(monkey
 
     model = _model()
     offloader = lc.offload_decoder_layers(model, 1.0, min_bytes=0, host_reserve_bytes=1000)
-    monkeypatch.setattr(lc, "host_memory_available", host(offloader, 2 * layer_bytes))  # room for both layers
+    patch_everywhere(monkeypatch, "host_memory_available", host(offloader, 2 * layer_bytes))  # room for both layers
     _step(model, ids)
-    monkeypatch.setattr(lc, "host_memory_available", lambda: 0)
+    patch_everywhere(monkeypatch, "host_memory_available", lambda: 0)
     _step(model, ids)  # the second step reuses the first one's pinned blocks: nothing new is claimed
     assert offloader.stats["offloaded"] == 4
     tight = _model()
     offloader = lc.offload_decoder_layers(tight, 1.0, min_bytes=0, host_reserve_bytes=1000)
-    monkeypatch.setattr(lc, "host_memory_available", host(offloader, layer_bytes))  # room for one
+    patch_everywhere(monkeypatch, "host_memory_available", host(offloader, layer_bytes))  # room for one
     with pytest.raises(MemoryError, match="q35lab: offloading .* offload fewer decoder layers"):
         _step(tight, ids)
     with pytest.raises(ValueError, match="host_reserve_bytes"):
@@ -476,8 +481,8 @@ def test_the_default_reserve_is_16_gib_or_a_quarter_of_a_smaller_host(monkeypatc
     hosts = {"H200 host": (125 * GiB, None, 16 * GiB), "Colab": (int(12.7 * GiB), None, int(12.7 * GiB) // 4),
              "a container's limit": (125 * GiB, (8 * GiB, GiB), 2 * GiB), "unknown": (None, None, 16 * GiB)}
     for name, (total, cgroup, reserve) in hosts.items():
-        monkeypatch.setattr(lc, "_meminfo", lambda field, total=total: total if field == "MemTotal" else None)
-        monkeypatch.setattr(lc, "_cgroup_limit_and_usage", lambda cgroup=cgroup: cgroup)
+        patch_everywhere(monkeypatch, "_meminfo", lambda field, total=total: total if field == "MemTotal" else None)
+        patch_everywhere(monkeypatch, "_cgroup_limit_and_usage", lambda cgroup=cgroup: cgroup)
         assert lc.default_host_reserve() == reserve, name
         assert lc.CheckpointOffloader().host_reserve_bytes == reserve, name
     monkeypatch.undo()  # (the conftest's roomy host too: read this machine's own numbers)
@@ -488,10 +493,10 @@ def test_the_default_reserve_is_16_gib_or_a_quarter_of_a_smaller_host(monkeypatc
 def test_host_memory_available_takes_the_tighter_of_meminfo_and_the_cgroup(monkeypatch):
     GiB = 2**30
     monkeypatch.undo()  # the conftest's roomy host: test the real function
-    monkeypatch.setattr(lc, "_meminfo", lambda field: 10 * GiB if field == "MemAvailable" else None)
-    monkeypatch.setattr(lc, "_cgroup_limit_and_usage", lambda: (8 * GiB, 5 * GiB))
+    patch_everywhere(monkeypatch, "_meminfo", lambda field: 10 * GiB if field == "MemAvailable" else None)
+    patch_everywhere(monkeypatch, "_cgroup_limit_and_usage", lambda: (8 * GiB, 5 * GiB))
     assert lc.host_memory_available() == 3 * GiB
-    monkeypatch.setattr(lc, "_cgroup_limit_and_usage", lambda: None)
+    patch_everywhere(monkeypatch, "_cgroup_limit_and_usage", lambda: None)
     assert lc.host_memory_available() == 10 * GiB
 
 
@@ -529,13 +534,13 @@ def test_offloaded_checkpoints_context_moves_activations_never_parameters():
     assert offloader.stats["offloaded"] >= 2  # both checkpoint inputs, and what the loss saved
     _drop_empty(packs)
     for source, is_parameter, handle in packs:
-        assert isinstance(handle, lc._Kept) == (is_parameter or source in parameter_storages)
+        assert isinstance(handle, lc_offload._Kept) == (is_parameter or source in parameter_storages)
     # a tensor that is not a Parameter but holds one's memory (packed weights, a detached weight) stays
     linear = torch.nn.Linear(64, 64)
     offloader = lc.CheckpointOffloader(min_bytes=0)
     offloader.exclude_parameters_of(linear)
-    assert isinstance(offloader.pack(linear.weight.detach()), lc._Kept)
-    assert isinstance(offloader.pack(torch.randn(4, 64)), lc._HostCopy)
+    assert isinstance(offloader.pack(linear.weight.detach()), lc_offload._Kept)
+    assert isinstance(offloader.pack(torch.randn(4, 64)), lc_offload._HostCopy)
 
 
 @pytest.mark.parametrize("exclude_parameters", [False, True])
@@ -548,9 +553,9 @@ def test_an_empty_saved_tensor_is_kept_whatever_the_parameters(exclude_parameter
     if exclude_parameters:
         offloader.exclude_parameters_of(linear)
     with offloader.hooks():
-        assert isinstance(offloader.pack(torch.empty(0)), lc._Kept)
-        assert isinstance(offloader.pack(torch.empty(0, 64, device=device())), lc._Kept)
-        assert isinstance(offloader.pack(torch.randn(2, 64, device=device())), lc._HostCopy)
+        assert isinstance(offloader.pack(torch.empty(0)), lc_offload._Kept)
+        assert isinstance(offloader.pack(torch.empty(0, 64, device=device())), lc_offload._Kept)
+        assert isinstance(offloader.pack(torch.randn(2, 64, device=device())), lc_offload._HostCopy)
     assert offloader.stats["offloaded"] == 1 and offloader.stats["kept"] == 2
 
 
@@ -564,10 +569,10 @@ def test_a_freed_models_parameter_memory_is_offloaded_when_reused():
     offloader.exclude_parameters_of(linear)
     reused = linear.weight.detach()  # stands for the next tensor given the weight's memory
     with offloader.hooks():
-        assert isinstance(offloader.pack(reused), lc._Kept)  # while the model lives: its parameter
+        assert isinstance(offloader.pack(reused), lc_offload._Kept)  # while the model lives: its parameter
         del linear
         gc.collect()
-        assert isinstance(offloader.pack(reused), lc._HostCopy)
+        assert isinstance(offloader.pack(reused), lc_offload._HostCopy)
 
 
 def test_an_empty_saved_tensor_between_two_inputs_leaves_the_prefetch_chain_whole():
@@ -642,14 +647,6 @@ def test_the_terms_for_the_tiny_config_by_hand():
     assert tiled.fixed["MLP: one tile's working set"] == 8 * (64 + 3 * 96) * 4
     offloaded = lc.bytes_per_token(_tiny_config(), lora_rank=4, dtype_bytes=4, offload=True, loss_chunk_bytes=0)
     assert offloaded.host_per_token == 512 and offloaded.per_token == model.per_token  # 2 layers: max(0, 2) = 2
-    # a down projection that runs its own forward (dropout, a hook) keeps the SwiGLU output: I·e more
-    kept = lc.bytes_per_token(_tiny_config(), lora_rank=4, dtype_bytes=4, loss_chunk_bytes=0, slack_bytes=0,
-                              mlp_keeps_h=True)
-    assert kept.phases["MLP backward (GatedDeltaNet layer)"] == mlp + 96 * 4
-    assert kept.phases["GatedDeltaNet backward"] == gdn
-    kept_tiled = lc.bytes_per_token(_tiny_config(), lora_rank=4, dtype_bytes=4, tiled_mlp_tokens=8, loss_chunk_bytes=0,
-                                    mlp_keeps_h=True)
-    assert kept_tiled.fixed["MLP: one tile's working set"] == 8 * (64 + 4 * 96) * 4
 
 
 def test_the_modelled_terms_are_what_the_tiny_model_saves():
@@ -683,13 +680,13 @@ def test_the_modelled_terms_are_what_the_tiny_model_saves():
         return sum(seen.values()) / (B * T) - H * e  # the input itself is the caller's
 
     terms = lc.bytes_per_token(config, lora_rank=4, dtype_bytes=e).phases
-    untiled_terms = lc._phase_terms(lc._dims(config), e, 4, tiled=False)["MLP backward (GatedDeltaNet layer)"]
+    untiled_terms = lc_memory._phase_terms(lc_memory.dims(config), e, 4, tiled=False)
+    untiled_terms = untiled_terms["MLP backward (GatedDeltaNet layer)"]
     saved_by_mlp = sum(v for k, v in untiled_terms.items() if k.startswith("MLP:")) - H * e
     assert saved_bytes(mlp) == saved_by_mlp == (2 * 96 + 3 * 4) * e  # gate/up output, 3 adapters' x·Aᵀ; no h
-    # with dropout on the down adapter, the down projection runs its own forward and keeps h
+    # with dropout on the down adapter, the down projection runs its own forward and keeps h [I] as well
     mlp.down_proj.lora_dropout["default"] = torch.nn.Dropout(0.1)
-    kept_terms = lc._phase_terms(lc._dims(config), e, 4, tiled=False, mlp_keeps_h=True)["MLP backward (GatedDeltaNet layer)"]
-    assert saved_bytes(mlp) == sum(v for k, v in kept_terms.items() if k.startswith("MLP:")) - H * e == saved_by_mlp + 96 * e
+    assert saved_bytes(mlp) == saved_by_mlp + 96 * e
     mlp.down_proj.lora_dropout["default"] = torch.nn.Identity()
     assert saved_bytes(lambda x: lc.tiled_mlp(mlp, x, 5)) == 0  # only x (the stash), nothing of a tile
     assert terms  # the phases exist for this config
@@ -749,7 +746,7 @@ def test_apply_to_qwen3_5_long_context_options_same_loss_and_gradients_and_rever
         torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6, msg=name)
     reverted = q35lab.revert(long)
     assert reverted.reverted["Qwen3_5MLP (tiled)"] == 2 and reverted.reverted["decoder-layer checkpoint offload"] == 1
-    assert not any(type(vars(m).get("forward")).__module__ == "q35lab.long_context" for m in long.modules())
+    assert not any(type(vars(m).get("forward")).__module__.startswith("q35lab.long_context") for m in long.modules())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -804,9 +801,8 @@ def _fla_runs(module) -> bool:
     """Whether ``module``'s GatedDeltaNets run fla's core: chunked as fla chunks (64 tokens, TF32
     products), the tiled and untiled steps then differ by more than rounding order, and the tests
     hold both to the numerics rule against fp64 instead of to each other."""
-    from q35lab import patch
 
-    return any(patch._core_is_fla(m) for m in module.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+    return any(hf_gdn.core_is_fla(m) for m in module.modules() if type(m).__name__.endswith("GatedDeltaNet"))
 
 
 def _assert_tiled_step(got, expected, ref64, fla, rtol, atol):
@@ -854,7 +850,6 @@ def test_tiled_gated_delta_net_gives_the_output_and_every_gradient_of_the_module
 
 
 def test_tiled_gated_delta_net_patched_by_q35lab_fused_in_proj_triton_conv_and_gated_norm(monkeypatch):
-    from q35lab import patch
 
     model = _model(targets=GDN_TARGETS, checkpointing=False)
     gdn64 = _on_pytorch_core(copy.deepcopy(_gdn(model)).double())  # transformers' own modules in fp64
@@ -863,7 +858,7 @@ def test_tiled_gated_delta_net_patched_by_q35lab_fused_in_proj_triton_conv_and_g
     assert type(vars(gdn)["forward"]).__name__ == "_SwitchedConvForward"
     # every tile's core goes through q35lab's wrapper of it, as the patched forward's does (on the GPU: q, k, v
     # copied by contiguous_rows before fla, not by fla at a third of the copy rate)
-    switch, wrapped = patch._DELTA_RULE_SWITCHES[type(gdn).__module__], []
+    switch, wrapped = hf_gdn.DELTA_RULE_SWITCHES[type(gdn).__module__], []
     replacement = switch.replacement
     monkeypatch.setattr(switch, "replacement", lambda: wrapped.append(1) or replacement())
     x = torch.randn(1, 7, TEXT["hidden_size"], device=device())
@@ -871,8 +866,9 @@ def test_tiled_gated_delta_net_patched_by_q35lab_fused_in_proj_triton_conv_and_g
     ref, ref64 = _gdn_outputs(gdn, x, w, None), _gdn_outputs(gdn64, x, w, None, torch.float64)
     assert len(wrapped) == 1  # the untiled patched forward: one call
     # q35lab's conv reads each carry as its initial rows (no concatenation of the carry and the tile)
-    carried, conv = [], lc.causal_conv1d
-    monkeypatch.setattr(lc, "causal_conv1d", lambda *a, **k: carried.append(k["initial_rows"] is not None) or conv(*a, **k))
+    carried, conv = [], causal_conv1d
+    patch_everywhere(monkeypatch, "causal_conv1d",
+                     lambda *a, **k: carried.append(k["initial_rows"] is not None) or conv(*a, **k))
     out = _gdn_outputs(gdn, x, w, 2)  # tiles shorter than K − 1: a carry holds rows of two tiles
     assert len(wrapped) == 1 + 2 * 4  # 4 tiles, each in the forward and again in the backward
     assert carried == [False, True, True, True] + [True, True, True, False]  # the backward in reverse
@@ -899,7 +895,8 @@ def test_a_patched_model_with_every_long_context_option_under_checkpointing_and_
     tile, T = (64, 150) if fla else (4, 11)  # three tiles, the last short
     if not fla:
         core = modeling.torch_chunk_gated_delta_rule
-        monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", functools.partial(inspect.unwrap(core), chunk_size=tile))
+        monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule",
+                            functools.partial(inspect.unwrap(core), chunk_size=tile))
     ids = torch.randint(0, 128, (1, T), device=device())
     reference = _model(targets="all-linear")
     ref64 = _step(_on_pytorch_core(copy.deepcopy(reference).double()), ids)
@@ -944,7 +941,7 @@ def test_lora_dropout_in_the_gated_delta_net_replays_each_tiles_masks_and_leaves
     x = torch.randn(1, 10, TEXT["hidden_size"], device=device(), requires_grad=True)
 
     def loop(t):  # the same tiles, in the same order, as ordinary autograd: the same draws as the forward
-        step, carry, outs = lc._GatedDeltaNetTile(gdn, None, {}), None, []
+        step, carry, outs = lc_gated_delta_net._GatedDeltaNetTile(gdn, None, {}), None, []
         for s in range(0, 10, 4):
             y, carry = step(t[:, s:s + 4], carry, (s, min(s + 4, 10)))
             outs.append(y)
@@ -1004,7 +1001,8 @@ def test_tiled_gated_delta_net_saves_its_input_and_one_carry_a_tile_nothing_of_a
     carries = saved[1:]  # into tiles 2 and 3: the K − 1 conv rows and the fp32 state each
     assert [tuple(c.shape) for c in carries] == [(B, K - 1, gdn.conv_dim), (B, 4, 16, 16)] * 2
     assert carries[1].dtype == torch.float32
-    assert sum(c.numel() * c.element_size() for c in carries) == 2 * B * lc._gdn_carry_bytes(lc._dims(_tiny_config()), e)
+    carry_bytes = lc_memory._gdn_carry_bytes(lc_memory.dims(_tiny_config()), e)
+    assert sum(c.numel() * c.element_size() for c in carries) == 2 * B * carry_bytes
     assert y.grad_fn.name() == "TiledGDNFunctionBackward"
 
 
@@ -1095,13 +1093,13 @@ def test_wrong_tiled_gated_delta_net_arguments_are_errors_that_name_them():
 
 
 def test_the_tiled_gated_delta_net_terms_and_the_9b_at_half_a_million_tokens():
-    d = lc._dims(_tiny_config())
+    d = lc_memory.dims(_tiny_config())
     untiled = lc.bytes_per_token(_tiny_config(), lora_rank=4, dtype_bytes=4, tiled_mlp_tokens=8, loss_chunk_bytes=0)
     tiled = lc.bytes_per_token(_tiny_config(), lora_rank=4, dtype_bytes=4, tiled_mlp_tokens=8, tiled_gdn_tokens=16,
                                loss_chunk_bytes=0)
     # the carry a tile: state 4·16·16·4 = 4096, conv rows 3·128·4 = 1536; per token at 16 a tile: 352, held by
     # every tiled layer (the tiny config's one GatedDeltaNet layer) from its forward to its backward
-    assert lc._gdn_carry_bytes(d, 4) == 4096 + 1536
+    assert lc_memory._gdn_carry_bytes(d, 4) == 4096 + 1536
     common = 512 + 768 + 112  # checkpoints, residual grads, ids/labels/positions/RoPE (as above)
     assert tiled.phases["GatedDeltaNet layer backward (tiled)"] == common + 352 + 256 + 256  # carries, input, dx
     assert "GatedDeltaNet backward" not in tiled.phases and "MLP backward (GatedDeltaNet layer)" not in tiled.phases
@@ -1112,13 +1110,6 @@ def test_the_tiled_gated_delta_net_terms_and_the_9b_at_half_a_million_tokens():
     assert tiled.fixed["GatedDeltaNet layer: one tile's working set"] == (
         16 * (gdn_untiled + 2 * (64 * 4 + 4) + mlp) + 2 * (4096 + 1536) + 19 * 128 * 4)
     assert tiled.phases["attention backward"] == untiled.phases["attention backward"] + 352
-    # the GatedDeltaNet tiled alone (tiled_gdn before 2026-12-06, which the H200's and H100's rows measured)
-    alone = lc.bytes_per_token(_tiny_config(), lora_rank=4, dtype_bytes=4, tiled_mlp_tokens=8, tiled_gdn_tokens=16,
-                               loss_chunk_bytes=0, gdn_whole_layer=False)
-    assert alone.phases["GatedDeltaNet backward"] == common + 256 + 352 + 256 + 4  # input, its carries, dx, rstd
-    assert alone.phases["MLP backward (GatedDeltaNet layer)"] == common + 256 + 352 + 264 + 512
-    assert alone.fixed["GatedDeltaNet: one tile's working set"] == 16 * gdn_untiled + 2 * (4096 + 1536) + 19 * 128 * 4
-    assert alone.phases["attention backward"] == untiled.phases["attention backward"]
 
     from q35lab import e2e
 
@@ -1229,8 +1220,8 @@ def test_apply_to_qwen3_5_long_context_plans_the_options_says_so_and_refuses_the
     tokens, rank = 2**20, 4
     frugal = lc.bytes_per_token(config, tiled_mlp_tokens=4096, tiled_gdn_tokens=4096, lora_rank=rank, dtype_bytes=4)
     gpu = frugal.peak(tokens) + 1  # only tiles fit: the plan must tile both
-    monkeypatch.setattr(lc, "usable_gpu_bytes", lambda device=None: gpu)
-    monkeypatch.setattr(lc, "host_memory_available", lambda: 0)  # no host memory: no offload
+    patch_everywhere(monkeypatch, "usable_gpu_bytes", lambda device=None: gpu)
+    patch_everywhere(monkeypatch, "host_memory_available", lambda: 0)  # no host memory: no offload
     expected = lc.plan_long_context(config, tokens, gpu_bytes=gpu, host_bytes=0, lora_rank=rank, dtype_bytes=4)
     assert expected.fits and expected.tiled_gdn and expected.offload_layers == 0
     model = _model(rank=rank, targets=GDN_TARGETS + MLP_TARGETS)
@@ -1239,7 +1230,8 @@ def test_apply_to_qwen3_5_long_context_plans_the_options_says_so_and_refuses_the
     # a step the plan predicts to fit untiled runs untiled: every tiled forward knows how long that is
     assert 0 < expected.untiled_up_to < tokens
     assert f"tiles only in steps over {expected.untiled_up_to:,} tokens" in str(expected)
-    forwards = [vars(m)["forward"] for m in model.modules() if isinstance(vars(m).get("forward"), lc._TiledForward)]
+    forwards = [vars(m)["forward"] for m in model.modules()
+                if isinstance(vars(m).get("forward"), lc_tiles.TiledForward)]
     assert len(forwards) == 4 and {f.untiled_up_to for f in forwards} == {expected.untiled_up_to}
     assert report.replaced[f"Qwen3_5MLP (tiled, {expected.tiled_mlp} tokens a tile)"] == 2
     assert report.replaced[f"Qwen3_5GatedDeltaNet (tiled, {expected.tiled_gdn} tokens a tile)"] == 1
@@ -1276,10 +1268,10 @@ def test_tile_only_above_runs_steps_up_to_its_tokens_untiled_and_longer_ones_in_
     q35lab.apply_to_qwen3_5(model, tiled_gdn=4, tiled_mlp=4)
     calls = []
     for name in ("tiled_mlp", "tiled_gated_delta_net_layer"):
-        def counted(*args, _real=getattr(lc, name), _name=name, **kwargs):
+        def counted(*args, _real=getattr(lc, name), _name=name, **kwargs):  # noqa: B008 (bound per name)
             calls.append(_name)
             return _real(*args, **kwargs)
-        monkeypatch.setattr(lc, name, counted)
+        patch_everywhere(monkeypatch, name, counted)
     tiled = _step(model, ids)
     assert set(calls) == {"tiled_mlp", "tiled_gated_delta_net_layer"}
     assert lc.tile_only_above(model, 18) == 4  # 2 rows of 9 tokens: untiled (a layer, its GatedDeltaNet, 2 MLPs)
@@ -1297,7 +1289,7 @@ def test_tile_only_above_runs_steps_up_to_its_tokens_untiled_and_longer_ones_in_
     assert pickle.loads(pickle.dumps(vars(_gdn(model))["forward"])).untiled_up_to == 18
     q35lab.apply_to_qwen3_5(model, tiled_gdn=4, tiled_mlp=4)  # tiles given again: every longer sequence tiled
     assert {vars(m)["forward"].untiled_up_to for m in model.modules()
-            if isinstance(vars(m).get("forward"), lc._TiledForward)} == {0}
+            if isinstance(vars(m).get("forward"), lc_tiles.TiledForward)} == {0}
     for value, error in ((-1, ValueError), (1.5, TypeError), (True, TypeError), ("8", TypeError)):
         with pytest.raises(error, match="tokens: expected an int of at least 0"):
             lc.tile_only_above(model, value)
@@ -1341,7 +1333,7 @@ def test_a_plan_without_host_memory_does_not_offload_and_one_that_cannot_fit_war
     from q35lab import e2e
 
     config, GiB = e2e.config("9b"), 2**30
-    monkeypatch.setattr(lc, "host_memory_available", lambda: None)  # unknown: no offload planned
+    patch_everywhere(monkeypatch, "host_memory_available", lambda: None)  # unknown: no offload planned
     plan = lc.plan_long_context(config, 524288)
     assert plan.offload_layers == 0 and plan.tiled_gdn and "host memory for checkpoints: none (unknown)" in str(plan)
     tight = lc.plan_long_context(config, 4096, gpu_bytes=1 * GiB, host_bytes=0)
@@ -1349,7 +1341,7 @@ def test_a_plan_without_host_memory_does_not_offload_and_one_that_cannot_fit_war
     for bad, error in ((-1, ValueError), (float("nan"), ValueError), ("139", TypeError), (True, TypeError)):
         with pytest.raises(error, match=r"gpu_bytes: expected a finite number of at least 0 \(bytes\)"):
             lc.plan_long_context(config, 4096, gpu_bytes=bad)
-    monkeypatch.setattr(lc, "usable_gpu_bytes", lambda device=None: 1.0)  # nothing fits
+    patch_everywhere(monkeypatch, "usable_gpu_bytes", lambda device=None: 1.0)  # nothing fits
     with pytest.warns(UserWarning, match=r"long_context=4096: .*does not fit even so"):
         q35lab.apply_to_qwen3_5(_model(), long_context=4096)
 
@@ -1443,7 +1435,7 @@ def test_the_tiled_gated_delta_net_layer_under_checkpointing_runs_each_tile_twic
     expected = _padded_step(reference, ids, mask)
     model = _model(targets="all-linear")
     q35lab.apply_to_qwen3_5(model, tiled_gdn=5)
-    layer = next(m for m in model.modules() if lc.is_gated_delta_net_layer(m))
+    layer = next(m for m in model.modules() if hf_modules.is_gated_delta_net_layer(m))
     assert isinstance(vars(layer)["forward"], lc.TiledGDNLayerForward)
     tiles = _count_tiles(_gdn(model))
     with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
@@ -1467,10 +1459,11 @@ def test_the_tiled_layers_carries_are_hidden_from_the_offload_and_freed_by_its_b
     model = _model(targets="all-linear")
     report = q35lab.apply_to_qwen3_5(model, tiled_gdn=4, offload_checkpoints=1.0, tiled_mlp=4)
     offloader = next(v.offloader for m in model.modules()
-                     for v in [vars(m).get("_gradient_checkpointing_func")] if isinstance(v, lc._OffloadedCheckpoint))
+                     for v in [vars(m).get("_gradient_checkpointing_func")]
+                     if isinstance(v, lc_offload._OffloadedCheckpoint))
     offloader.min_bytes = 0  # the tiny model's checkpoints are small
     carries = []
-    original = lc._run_tiles
+    original = lc_tiles._run_tiles
 
     def run_tiles(tiles, x, record_rng, keep_carries=True):  # weak references to the carries the layer saves
         out, kept = original(tiles, x, record_rng, keep_carries)
@@ -1479,7 +1472,7 @@ def test_the_tiled_layers_carries_are_hidden_from_the_offload_and_freed_by_its_b
         return out, kept
 
     with pytest.MonkeyPatch.context() as patched:
-        patched.setattr(lc, "_run_tiles", run_tiles)
+        patch_everywhere(patched, "_run_tiles", run_tiles)
         model.zero_grad(set_to_none=True)
         loss = model(input_ids=ids, labels=ids).loss
         assert len(carries) == 2 * 2 and all(ref() is not None for ref in carries)  # tiles 2 and 3: (conv rows, S)
@@ -1497,9 +1490,9 @@ def test_hooks_on_the_layers_gated_delta_net_or_mlp_run_the_layer_untiled_and_se
     for part in ("linear_attn", "mlp"):
         model = _model(targets="all-linear")
         q35lab.apply_to_qwen3_5(model, tiled_gdn=4)
-        layer = next(m for m in model.modules() if lc.is_gated_delta_net_layer(m))
+        layer = next(m for m in model.modules() if hf_modules.is_gated_delta_net_layer(m))
         seen = []
-        getattr(layer, part).register_forward_hook(lambda module, args, out: seen.append(out.shape[1]))
+        getattr(layer, part).register_forward_hook(lambda module, args, out, seen=seen: seen.append(out.shape[1]))
         tiles = _count_tiles(_gdn(model))
         _step(model, ids)
         assert seen and all(tokens == 12 for tokens in seen), (part, seen)  # whole calls, never a tile's
@@ -1509,9 +1502,9 @@ def test_hooks_on_the_layers_gated_delta_net_or_mlp_run_the_layer_untiled_and_se
 def test_a_tiled_layer_reverts_copies_and_refuses_what_it_cannot_tile():
     model = _model(targets="all-linear")
     q35lab.apply_to_qwen3_5(model, tiled_gdn=4)
-    layer = next(m for m in model.modules() if lc.is_gated_delta_net_layer(m))
+    layer = next(m for m in model.modules() if hf_modules.is_gated_delta_net_layer(m))
     copied = copy.deepcopy(model)
-    copied_layer = next(m for m in copied.modules() if lc.is_gated_delta_net_layer(m))
+    copied_layer = next(m for m in copied.modules() if hf_modules.is_gated_delta_net_layer(m))
     assert vars(copied_layer)["forward"].module is copied_layer  # bound to the copy, not the original
     ids = torch.randint(0, 128, (1, 9), device=device())
     _assert_same(_step(copied, ids), _step(model, ids))
@@ -1524,7 +1517,8 @@ def test_a_tiled_layer_reverts_copies_and_refuses_what_it_cannot_tile():
         lc.tiled_gated_delta_net_layer(layer, x, 2, attention_mask=torch.ones(1, 5))
     with pytest.raises(TypeError, match="layer: expected a transformers GatedDeltaNet decoder layer"):
         lc.tile_gated_delta_net_layer(layer.mlp, 4)
-    attention_layer = next(m for m in model.modules() if lc._is_decoder_layer(m) and not lc.is_gated_delta_net_layer(m))
+    attention_layer = next(m for m in model.modules()
+                           if hf_modules._is_decoder_layer(m) and not hf_modules.is_gated_delta_net_layer(m))
     with pytest.raises(TypeError, match="layer: expected a transformers GatedDeltaNet decoder layer"):
         lc.tiled_gated_delta_net_layer(attention_layer, x, 2)
     report = q35lab.revert(model)
@@ -1542,8 +1536,8 @@ def test_the_tiled_layers_recompute_leaves_its_mlps_down_gemm_out_and_keeps_ever
     model = _model()
     q35lab.apply_to_qwen3_5(model, tiled_gdn=4)
     verdicts = []
-    real = lc.is_unread
-    monkeypatch.setattr(lc, "is_unread", lambda y, skipped: verdicts.append((len(skipped), real(y, skipped))) or
+    real = is_unread
+    patch_everywhere(monkeypatch, "is_unread", lambda y, skipped: verdicts.append((len(skipped), real(y, skipped))) or
                         verdicts[-1][1])
     got = _step(model, ids)
     assert verdicts == [(1, True)] * 3  # the GatedDeltaNet layer's 3 tiles, one skipped GEMM each, none redone
@@ -1574,7 +1568,7 @@ def test_a_pickled_model_with_both_tiles_loads_tiled_and_trains_the_same():
     saved = io.BytesIO()
     torch.save(model, saved)
     loaded = torch.load(io.BytesIO(saved.getvalue()), weights_only=False)
-    layer = next(m for m in loaded.modules() if lc.is_gated_delta_net_layer(m))
+    layer = next(m for m in loaded.modules() if hf_modules.is_gated_delta_net_layer(m))
     assert isinstance(vars(layer)["forward"], lc.TiledGDNLayerForward) and vars(layer)["forward"].module is layer
     _assert_same(_step_without_cache(loaded, ids), expected)
 
@@ -1584,7 +1578,8 @@ def test_a_tiled_layer_whose_input_needs_no_grad_still_runs_each_tile_twice_unde
     from the checkpoint with the carries), so the checkpoint's recompute still has nothing to run."""
     model, model64 = _model(targets="all-linear"), _model(targets="all-linear").double()  # the same weights
     q35lab.apply_to_qwen3_5(model)
-    layer, layer64 = (next(m for m in m_.modules() if lc.is_gated_delta_net_layer(m)) for m_ in (model, model64))
+    layer, layer64 = (next(m for m in m_.modules() if hf_modules.is_gated_delta_net_layer(m))
+                      for m_ in (model, model64))
     x = torch.randn(1, 12, TEXT["hidden_size"], device=device())  # requires no grad
     w = torch.randn(1, 12, TEXT["hidden_size"], device=device())
 

@@ -6,7 +6,7 @@ import torch
 import q35lab
 from q35lab.numerics import assert_close_by_rule
 from q35lab.ops.lora import LoRALinearFunction, dropout_mask, lora_linear, lora_linear_ref
-from q35lab.patch import route_lora
+from q35lab.patch.lora import route_lora
 from q35lab.runtime import device
 from tiny_models import count_forward_calls, recording_backend
 
@@ -15,7 +15,8 @@ peft = pytest.importorskip("peft")
 
 def _peft_layer(in_f, out_f, r, alpha, bias=False, dropout=0.0, dtype=torch.float32):
     base = torch.nn.Sequential(torch.nn.Linear(in_f, out_f, bias=bias))
-    model = peft.get_peft_model(base, peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=["0"]))
+    model = peft.get_peft_model(base,
+                                peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=["0"]))
     model = model.to(device=device(), dtype=dtype)
     layer = model.base_model.model[0]
     with torch.no_grad():  # PEFT starts B at zero: a zero adapter would hide errors
@@ -102,7 +103,8 @@ def test_bf16_activations_with_fp32_adapters():
 
 def test_autocast_computes_like_f_linear():
     x = torch.randn(8, 32, device=device())
-    W, A, B = torch.randn(16, 32, device=device()), torch.randn(4, 32, device=device()), torch.randn(16, 4, device=device())
+    W, A = torch.randn(16, 32, device=device()), torch.randn(4, 32, device=device())
+    B = torch.randn(16, 4, device=device())
     with torch.autocast(device_type=device().type, dtype=torch.bfloat16):
         y = lora_linear(x, W, A, B, 1.0)
         base = torch.nn.functional.linear(x, W)
@@ -160,7 +162,8 @@ def _problem(lead, K, N, r, bias, dtype=torch.float32):
     trained = [name for name, v in values.items() if v is not None and name != "weight"]
 
     def copy(to, adapters_to):
-        return {n: None if v is None else v.to(adapters_to if n.startswith("lora_") else to).requires_grad_(n in trained)
+        return {n: None if v is None
+                else v.to(adapters_to if n.startswith("lora_") else to).requires_grad_(n in trained)
                 for n, v in values.items()}
 
     return copy(dtype, torch.float32), copy(torch.float64, torch.float64), trained
@@ -223,7 +226,8 @@ def test_zero_sizes_give_what_f_linear_gives(lead, K, N, r, bias):
 
     _assert_every_result_by_rule(plain, args, args64, trained)
     if K == 0:  # no features: exactly the bias (or zeros), as F.linear gives
-        assert torch.equal(plain(lora_linear, args), torch.nn.functional.linear(args["x"], args["weight"], args["bias"]))
+        assert torch.equal(plain(lora_linear, args),
+                           torch.nn.functional.linear(args["x"], args["weight"], args["bias"]))
 
 
 def test_torch_compile_breaks_the_graph_at_the_op_and_matches_eager():
@@ -332,7 +336,8 @@ def test_bf16_adapters_round_the_scaled_adapter_gradient_once():
     def rand(*shape, scale=1.0):
         return (scale * torch.randn(*shape, generator=generator)).to(device()).bfloat16()
 
-    x, W, A, B, dy = rand(33, 40), rand(24, 40, scale=0.05), rand(4, 40, scale=0.3), rand(24, 4, scale=0.3), rand(33, 24)
+    x, W, A, B = rand(33, 40), rand(24, 40, scale=0.05), rand(4, 40, scale=0.3), rand(24, 4, scale=0.3)
+    dy = rand(33, 24)
     scale = 2.7  # not a power of two, so that a second rounding shows
     A.requires_grad_(), B.requires_grad_()
     dB = _grads(lora_linear(x, W, A, B, scale), dy, [B])[0]

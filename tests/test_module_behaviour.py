@@ -10,7 +10,6 @@ import torch
 import q35lab
 from q35lab.ops.fused_projections import FusedLoRAProjectionsFunction
 from q35lab.runtime import device
-
 from tiny_models import causal_lm, count_forward_calls, loss_and_grads
 
 IN_PROJ = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
@@ -45,7 +44,8 @@ def _assert_close_step(a, b, rtol=1e-4):
     torch.testing.assert_close(loss_a, loss_b, rtol=rtol / 10, atol=1e-5)
     assert grads_a.keys() == grads_b.keys() and grads_a
     for name in grads_a:
-        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=rtol, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=rtol, atol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("build", [_frozen_in_proj_model, _peft_model], ids=["bare", "peft"])
@@ -72,7 +72,7 @@ def test_a_deep_copy_computes_with_its_own_weights_and_owns_its_gradients(build)
     q35lab.apply_to_qwen3_5(patched_reference)
     _assert_close_step(loss_and_grads(model, ids), loss_and_grads(patched_reference, ids))
     # and the copy is patched: its in_proj runs as one fused node, each GatedDeltaNet once
-    assert any(type(m.forward).__module__ == "q35lab.patch" for m in twin.modules() if "forward" in vars(m))
+    assert any(type(m.forward).__module__.startswith("q35lab.patch") for m in twin.modules() if "forward" in vars(m))
 
 
 def test_pickle_round_trip_gives_a_working_patched_model(monkeypatch):

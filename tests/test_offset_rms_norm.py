@@ -1,6 +1,7 @@
 """The offset RMSNorm kernel against transformers' math, by the numerics rule of DESIGN.md."""
 
 import copy
+
 import pytest
 import torch
 

@@ -11,13 +11,14 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import patch_everywhere
+from test_packing import _one_at_a_time, _packed, _packed_step, _peft_model
 
 import q35lab
 from q35lab import packed_attention
 from q35lab.numerics import assert_close_by_rule
+from q35lab.patch import attention as patch_attention
 from q35lab.runtime import device
-
-from test_packing import _one_at_a_time, _packed, _packed_step, _peft_model
 from tiny_models import TEXT, assert_same_loss_and_grads, causal_lm
 
 
@@ -47,8 +48,8 @@ def stand_in(monkeypatch):
         calls.append(args[3].tolist())
         return per_sequence_attention(*args, **kwargs)
 
-    monkeypatch.setattr(packed_attention, "varlen_attention_function", lambda: recorded)
-    monkeypatch.setattr(packed_attention, "flash_can_run", lambda query: True)
+    patch_everywhere(monkeypatch, "varlen_attention_function", lambda: recorded)
+    patch_everywhere(monkeypatch, "flash_can_run", lambda query: True)
     return calls
 
 
@@ -133,14 +134,15 @@ def test_the_switch_is_reported_reverted_and_left_alone_where_it_does_not_apply(
     assert not any("Attention" in name for name in again.replaced)
     reverted = q35lab.revert(model)
     assert _implementations(model) == {"sdpa"}
-    assert reverted.reverted.get("Qwen3_5Attention (SDPA)", 0) == (packed_attention.varlen_attention_function() is not None)
+    switched = packed_attention.varlen_attention_function() is not None
+    assert reverted.reverted.get("Qwen3_5Attention (SDPA)", 0) == switched
 
     eager = causal_lm()
     eager.config._attn_implementation = "eager"
     report = q35lab.apply_to_qwen3_5(eager)
     assert _implementations(eager) == {"eager"} and "eager" in report.not_applied["varlen_attention"]
 
-    monkeypatch.setattr(packed_attention, "varlen_attention_function", lambda: None)
+    patch_everywhere(monkeypatch, "varlen_attention_function", lambda: None)
     older = causal_lm()
     report = q35lab.apply_to_qwen3_5(older)
     assert _implementations(older) == {"sdpa"}
@@ -215,10 +217,10 @@ def test_the_causal_keyword_follows_the_signature_and_head_groups_are_checked():
     def unknown(q, k, v, cu_q, cu_k, max_q, max_k):
         pass
 
-    assert packed_attention._causal_keyword(newer) == {"window_size": (-1, 0)}
-    assert packed_attention._causal_keyword(first) == {"is_causal": True}
+    assert patch_attention._causal_keyword(newer) == {"window_size": (-1, 0)}
+    assert patch_attention._causal_keyword(first) == {"is_causal": True}
     with pytest.raises(RuntimeError, match="neither window_size nor is_causal"):
-        packed_attention._causal_keyword(unknown)
+        patch_attention._causal_keyword(unknown)
     q, kv = torch.zeros(1, 6, 5, 8), torch.zeros(1, 4, 5, 8)
     with pytest.raises(ValueError, match="6 heads is not a multiple of the 4 key/value heads"):
         packed_attention.varlen_attention(None, q, kv, kv, torch.tensor([0, 5]), 5, 1.0)
@@ -250,7 +252,8 @@ def test_varlen_flash_attention_on_the_gpu_matches_each_sequence_alone(lengths):
         return per_sequence_attention(*rows, cu, cu, max(lengths), max(lengths), scale=scale,
                                       window_size=(-1, 0), enable_gqa=True)[None]
 
-    flash = run(torch.bfloat16, lambda q, k, v: packed_attention.varlen_attention(None, q, k, v, cu, max(lengths), scale))
+    flash = run(torch.bfloat16,
+                lambda q, k, v: packed_attention.varlen_attention(None, q, k, v, cu, max(lengths), scale))
     ref, exact = run(torch.bfloat16, reference), run(torch.float64, reference)
     for name, out, r, e in zip(("out", "dq", "dk", "dv"), flash, ref, exact):
         assert_close_by_rule(name, out, r, e)

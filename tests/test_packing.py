@@ -3,14 +3,16 @@ collator makes them (position_ids restarting per sequence, cu_seq_lens_* for the
 the first label of each sequence masked), give per sequence what each sequence gives alone."""
 
 import copy
+import importlib.util
 
 import peft
 import pytest
 import torch
+from conftest import patch_everywhere
 
 import q35lab
+from q35lab.hf import gated_delta_net as hf_gdn
 from q35lab.runtime import device
-
 from tiny_models import TEXT, assert_same_loss_and_grads, causal_lm
 
 
@@ -181,13 +183,12 @@ def test_use_cache_true_for_a_packed_row_is_turned_off_with_a_warning_and_a_cach
 def test_the_packed_batches_line_says_what_a_packed_row_gets(conv):
     """Kept apart: the collated row (both collator layouts) gives its sequences run alone. Refused:
     the forward raises a ValueError with the line's reason, and a row of one sequence still runs."""
-    from q35lab import patch
 
     sequences = [torch.randint(0, TEXT["vocab_size"], (n,), device=device()) for n in (4, 7, 2)]
     unpatched = _peft_model(seed=2)
     patched = copy.deepcopy(unpatched)
     line = q35lab.apply_to_qwen3_5(patched, conv=conv).runs["packed batches"]
-    if not patch._installed("causal_conv1d"):  # without the package, only q35lab's conv keeps them apart
+    if not hf_gdn.package_installed("causal_conv1d"):  # without the package, only q35lab's conv keeps them apart
         assert line.startswith("sequences kept apart") == conv
     if line.startswith("sequences kept apart"):
         alone = _one_at_a_time(unpatched, sequences)
@@ -213,7 +214,7 @@ def test_the_boundaries_of_a_row_are_those_transformers_masks_find(case):
     one sequence, wherever it starts)."""
     from transformers.masking_utils import find_packed_sequence_indices
 
-    from q35lab.packed_attention import boundaries_from_positions
+    from q35lab.patch.attention import boundaries_from_positions
 
     lengths = torch.randint(1, 6, (int(torch.randint(2, 7, ())),)).tolist()
     lengths = {"ones": [1] * len(lengths), "one-sequence": lengths[:1]}.get(case, lengths)
@@ -245,10 +246,10 @@ def test_the_per_sequence_delta_rule_checks_its_boundaries(fla_installed, monkey
     it is, and the rule once passed boundaries through to the PyTorch function there)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
 
-    from q35lab import patch
-    from q35lab.patch import _PerSequenceDeltaRule
+    from q35lab.hf.gated_delta_net import _PerSequenceDeltaRule
 
-    monkeypatch.setattr(patch, "_installed", lambda package: fla_installed or patch.importlib.util.find_spec(package))
+    patch_everywhere(monkeypatch, "package_installed",
+                     lambda package: fla_installed or importlib.util.find_spec(package))
 
     rule = _PerSequenceDeltaRule(modeling.torch_chunk_gated_delta_rule)
     q = torch.randn(1, 7, 2, 8, device=device())
@@ -376,7 +377,8 @@ def test_the_attention_a_step_is_built_with_is_recorded_and_changes_no_loss(tmp_
 
     losses = {}
     for attention in (None, "eager"):
-        model = e2e.build("tiny", 4, rank=4, device=device(), dtype=torch.float32, attention=attention)  # layer 4 attends
+        # layer 4 attends
+        model = e2e.build("tiny", 4, rank=4, device=device(), dtype=torch.float32, attention=attention)
         assert model.config._attn_implementation == (attention or "sdpa")
         q35lab.apply_to_qwen3_5(model)
         (row,) = e2e.packed_batch([5, 3, 8], TEXT["vocab_size"], device(), seed=1)
@@ -393,10 +395,10 @@ def test_the_attention_a_step_is_built_with_is_recorded_and_changes_no_loss(tmp_
 def test_the_report_asks_which_core_transformers_resolved_not_whether_fla_is_installed(monkeypatch):
     """fla installed, transformers' PyTorch core resolved all the same (fla's import failed in
     transformers): the report says the PyTorch core runs, never that fla's does."""
-    from q35lab import patch
 
-    monkeypatch.setattr(patch, "_installed", lambda package: package == "fla" or patch.importlib.util.find_spec(package))
-    monkeypatch.setattr(patch, "_is_fla_function", lambda function: False)  # whatever transformers resolved
+    patch_everywhere(monkeypatch, "package_installed",
+                     lambda package: package == "fla" or importlib.util.find_spec(package))
+    patch_everywhere(monkeypatch, "_is_fla_function", lambda function: False)  # whatever transformers resolved
     report = q35lab.apply_to_qwen3_5(_peft_model(seed=4))
     assert "PyTorch fallback" in report.runs["delta-rule core"] and "did not take" in report.runs["delta-rule core"]
     assert "fla's delta rule" not in report.runs["packed batches"]
@@ -407,11 +409,11 @@ def test_a_core_replaced_after_an_earlier_patch_is_switched_again(monkeypatch):
     was: the next patch wraps that function in a switch, and packed rows stay apart."""
     import sys
 
-    from q35lab import patch
 
     q35lab.apply_to_qwen3_5(_peft_model(seed=5))  # the module's switches exist from here on
     model = _peft_model(seed=6)
-    modeling = sys.modules[type(next(m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))).__module__]
+    gdn = next(m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+    modeling = sys.modules[type(gdn).__module__]
     original = modeling.torch_chunk_gated_delta_rule
     calls = []
 
@@ -422,14 +424,14 @@ def test_a_core_replaced_after_an_earlier_patch_is_switched_again(monkeypatch):
     monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", replaced)
     q35lab.apply_to_qwen3_5(model)
     switch = modeling.torch_chunk_gated_delta_rule
-    assert isinstance(switch, patch._DeltaRuleSwitch) and switch.original is replaced
-    assert patch._DELTA_RULE_SWITCHES[modeling.__name__] is switch
+    assert isinstance(switch, hf_gdn.DeltaRuleSwitch) and switch.original is replaced
+    assert hf_gdn.DELTA_RULE_SWITCHES[modeling.__name__] is switch
     sequences = [torch.randint(0, TEXT["vocab_size"], (n,), device=device()) for n in (5, 3, 6)]
     _assert_same(_packed_step(model, sequences), _one_at_a_time(model, sequences))
     assert calls  # the replaced function is what runs, inside the switch
     monkeypatch.undo()  # the first switch is back in the module: the next patch takes it up again
     q35lab.apply_to_qwen3_5(_peft_model(seed=7))
-    assert patch._DELTA_RULE_SWITCHES[modeling.__name__] is modeling.torch_chunk_gated_delta_rule is original
+    assert hf_gdn.DELTA_RULE_SWITCHES[modeling.__name__] is modeling.torch_chunk_gated_delta_rule is original
 
 
 def _call_forms(kwargs):

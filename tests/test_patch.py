@@ -7,10 +7,11 @@ import pytest
 import torch
 
 import q35lab
-from q35lab.runtime import device
+from q35lab.hf import gated_delta_net as hf_gdn
+from q35lab.hf import modules as hf_modules
 from q35lab.ops.gated_rms_norm import GatedRMSNorm, GatedRMSNormFunction
 from q35lab.ops.offset_rms_norm import OffsetRMSNorm, OffsetRMSNormFunction
-
+from q35lab.runtime import device
 from tiny_models import causal_lm, count_forward_calls, loss_and_grads, moe_causal_lm, multimodal
 
 
@@ -34,7 +35,8 @@ def _assert_same_step(a, b):
 
 @pytest.mark.parametrize(
     "build,norm_class,gated_class",
-    [(causal_lm, "Qwen3_5RMSNorm", "Qwen3_5RMSNormGated"), (moe_causal_lm, "Qwen3_5MoeRMSNorm", "Qwen3_5MoeRMSNormGated")],
+    [(causal_lm, "Qwen3_5RMSNorm", "Qwen3_5RMSNormGated"),
+     (moe_causal_lm, "Qwen3_5MoeRMSNorm", "Qwen3_5MoeRMSNormGated")],
 )
 def test_same_logits_loss_and_gradients_patched_unpatched_reverted(build, norm_class, gated_class):
     model = build()
@@ -43,7 +45,8 @@ def test_same_logits_loss_and_gradients_patched_unpatched_reverted(build, norm_c
     n_norms = sum(type(m).__name__ == norm_class for m in model.modules())
     n_gated = sum(type(m).__name__ == gated_class for m in model.modules())
 
-    report = q35lab.apply_to_qwen3_5(model, flce=False, swiglu=False, conv=False, varlen_attention=False)  # logits are compared: keep them
+    # logits are compared: keep them
+    report = q35lab.apply_to_qwen3_5(model, flce=False, swiglu=False, conv=False, varlen_attention=False)
     # 2 layers × 2, q/k norm of the attention layer, final norm; one gated norm per GatedDeltaNet
     assert report.replaced == {norm_class: 7, gated_class: 1} and (n_norms, n_gated) == (7, 1)
     assert not any(type(m).__name__ in (norm_class, gated_class) for m in model.modules())
@@ -84,7 +87,8 @@ def _switched_attention(cls: str = "Qwen3_5Attention") -> dict:
     attention (q35lab.packed_attention), where this torch has varlen_attn."""
     from q35lab import packed_attention
 
-    return {f"{cls} (SDPA; packed rows: varlen flash attention)": 1} if packed_attention.varlen_attention_function() else {}
+    switched = packed_attention.varlen_attention_function()
+    return {f"{cls} (SDPA; packed rows: varlen flash attention)": 1} if switched else {}
 
 
 def test_multimodal_model_is_patched():
@@ -125,18 +129,19 @@ def test_flags_of_later_optimizations_are_reported_not_applied():
                                   swiglu=False, conv=False, varlen_attention=False)
     assert off.total == 0
     assert off.not_applied == {flag: "disabled by the caller" for flag in
-                               ("rms_norm", "gated_norm", "lora", "in_proj", "flce", "conv", "swiglu", "varlen_attention")}
-    only_gated = q35lab.apply_to_qwen3_5(causal_lm(), rms_norm=False, flce=False, swiglu=False, conv=False, varlen_attention=False)
+                               ("rms_norm", "gated_norm", "lora", "in_proj", "flce", "conv", "swiglu",
+                                "varlen_attention")}
+    only_gated = q35lab.apply_to_qwen3_5(causal_lm(), rms_norm=False, flce=False, swiglu=False, conv=False,
+                                         varlen_attention=False)
     assert only_gated.replaced == {"Qwen3_5RMSNormGated": 1}
 
 
 def _skipped_key_repeat(model, reverted: bool = False) -> dict:
     """The report's line for the GatedDeltaNets whose q/k head repeat this machine skips (fla as
     the core on a transformers whose forward repeats: the H200's), asked before patching."""
-    from q35lab import patch
 
-    n = sum(patch._repeats_key_heads(m) and patch._core_groups_key_heads(m)
-            for m in model.modules() if patch._is_gated_delta_net(m))
+    n = sum(hf_gdn.repeats_key_heads(m) and hf_gdn.core_groups_key_heads(m)
+            for m in model.modules() if hf_modules.is_gated_delta_net(m))
     label = "Qwen3_5GatedDeltaNet q/k head repeat" + ("" if reverted else " (skipped: fla's core groups the key heads)")
     return {label: n} if n else {}
 
@@ -167,7 +172,7 @@ def test_peft_wrapped_model():
     assert q35lab.revert(peft_model).reverted == {"Qwen3_5RMSNorm": 7, "Qwen3_5RMSNormGated": 1,
                                                   "PEFT lora.Linear (forward)": 3, "GatedDeltaNet in_proj": 1,
                                                   "Qwen3_5MLP (SwiGLU)": 2, "Qwen3_5GatedDeltaNet causal conv1d": 1,
-                                                  **{"Qwen3_5Attention (SDPA)": n for n in _switched_attention().values()},
+                                                  **({"Qwen3_5Attention (SDPA)": 1} if _switched_attention() else {}),
                                                   **unskipped}
     _assert_same_step(before, _loss_and_grads(peft_model, ids))
 
@@ -225,7 +230,8 @@ def test_patch_reaches_the_gated_norm_the_forward_calls(monkeypatch, norm_source
             gdn.norm = stand_in
     ids = torch.randint(0, 128, (2, 9), device=device())
     before = _loss_and_grads(model, ids)
-    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, flce=False, swiglu=False, conv=False, varlen_attention=False)
+    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, flce=False, swiglu=False, conv=False,
+                                     varlen_attention=False)
     expected_class = "FusedRMSNormGated" if norm_source == "fla" else "Qwen3_5RMSNormGated"
     assert report.replaced == {expected_class: 1}
     assert all(isinstance(g.norm, GatedRMSNorm) for g in gdns)
@@ -239,7 +245,8 @@ def test_fla_norm_with_another_activation_is_left_alone():
     model = causal_lm()
     gdn = _gdn_layers(model)[0]
     gdn.norm = _FlaStandIn(gdn.norm.weight.shape[0], activation="sigmoid").to(device())
-    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, in_proj=False, flce=False, swiglu=False, conv=False, varlen_attention=False)
+    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, in_proj=False, flce=False, swiglu=False, conv=False,
+                                     varlen_attention=False)
     assert report.replaced == {} and sum(report.left_alone.values()) == 1
     assert "sigmoid" in str(report)
 
@@ -249,7 +256,8 @@ def test_a_same_named_class_from_elsewhere_is_not_mistaken_for_fla():
     gdn = _gdn_layers(model)[0]
     other = type("FusedRMSNormGated", (_FlaStandIn,), {"__module__": "axolotl.kernels.rms_norm_gated"})
     gdn.norm = other(gdn.norm.weight.shape[0]).to(device())
-    assert q35lab.apply_to_qwen3_5(model, rms_norm=False, flce=False, swiglu=False, conv=False, varlen_attention=False).replaced == {}
+    assert q35lab.apply_to_qwen3_5(model, rms_norm=False, flce=False, swiglu=False, conv=False,
+                                   varlen_attention=False).replaced == {}
 
 
 def test_real_fla_norm_is_patched():
@@ -257,7 +265,8 @@ def test_real_fla_norm_is_patched():
     model = causal_lm()
     gdn = _gdn_layers(model)[0]
     gdn.norm = fla_norm(gdn.norm.weight.shape[0], eps=1e-6, activation="silu").to(device())
-    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, flce=False, swiglu=False, conv=False, varlen_attention=False)
+    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, flce=False, swiglu=False, conv=False,
+                                     varlen_attention=False)
     assert report.replaced == {"FusedRMSNormGated": 1} and gdn.norm.rounding == "fused"
 
 
@@ -271,7 +280,8 @@ def test_loss_without_logits_same_loss_and_gradients(build):
     labels = ids.clone()
     labels[0, :3] = -100
     reference = loss_and_grads(model, ids, labels)
-    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, gated_norm=False, lora=False, in_proj=False, swiglu=False, conv=False, varlen_attention=False)
+    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, gated_norm=False, lora=False, in_proj=False, swiglu=False,
+                                     conv=False, varlen_attention=False)
     assert report.replaced == {f"{type(model).__name__} loss (fused linear cross entropy)": 1}
     ours = loss_and_grads(model, ids, labels)
     torch.testing.assert_close(ours[0], reference[0], rtol=1e-5, atol=1e-6)
@@ -346,7 +356,8 @@ def test_mlp_down_projection_runs_its_own_forward_with_dropout_or_a_hook(monkeyp
     """swiglu_down leaves out the down projection's module call: where that call matters (a
     dropout mask on the adapter's input, a forward hook) the module runs, with the SwiGLU node."""
     peft = pytest.importorskip("peft")
-    from q35lab.ops.swiglu import SwiGLUDownFunction, SwiGLUFunction
+    from q35lab.ops.swiglu import SwiGLUFunction
+    from q35lab.ops.swiglu_down import SwiGLUDownFunction
 
     model = peft.get_peft_model(causal_lm(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["down_proj"]))
     q35lab.apply_to_qwen3_5(model)
@@ -354,7 +365,8 @@ def test_mlp_down_projection_runs_its_own_forward_with_dropout_or_a_hook(monkeyp
     down = model.get_base_model().model.layers[0].mlp.down_proj
     seen = []
     handle = down.register_forward_hook(lambda module, args, out: seen.append(out.shape))
-    swiglu, swiglu_down = count_forward_calls(monkeypatch, SwiGLUFunction), count_forward_calls(monkeypatch, SwiGLUDownFunction)
+    swiglu = count_forward_calls(monkeypatch, SwiGLUFunction)
+    swiglu_down = count_forward_calls(monkeypatch, SwiGLUDownFunction)
     model(input_ids=ids, labels=ids).loss.backward()
     assert seen == [(2, 9, 64)] and len(swiglu) == 1 and len(swiglu_down) == 1  # layer 0 hooked, layer 1 fused
     handle.remove()
@@ -408,7 +420,7 @@ def test_with_lora_off_the_down_adapter_keeps_peft_s_forward(monkeypatch):
     """lora=False leaves every adapter's math to PEFT: the down projection's too (its frozen base
     alone, with no adapter, still joins the SwiGLU's node)."""
     peft = pytest.importorskip("peft")
-    from q35lab.ops.swiglu import SwiGLUDownFunction
+    from q35lab.ops.swiglu_down import SwiGLUDownFunction
 
     model = peft.get_peft_model(causal_lm(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["down_proj", "q_proj"]))
     q35lab.apply_to_qwen3_5(model, lora=False)
@@ -448,7 +460,8 @@ def test_merged_adapters_with_adapters_disabled_compute_what_peft_computes():
 def test_mlp_same_loss_and_gradients_through_one_fused_node_and_the_swiglu_kernel(monkeypatch, targets):
     peft = pytest.importorskip("peft")
     from q35lab.ops.fused_projections import FusedLoRAProjectionsFunction
-    from q35lab.ops.swiglu import SwiGLUDownFunction, SwiGLUFunction
+    from q35lab.ops.swiglu import SwiGLUFunction
+    from q35lab.ops.swiglu_down import SwiGLUDownFunction
 
     model = peft.get_peft_model(causal_lm(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", *targets]))
     with torch.no_grad():  # B = 0 at init would hide the adapters' path
@@ -486,7 +499,8 @@ def test_conv_same_loss_and_gradients_through_the_kernel_and_an_unpatched_model_
     ids = torch.randint(0, 128, (2, 9), device=device())
     before, other_before = _loss_and_grads(model, ids), _loss_and_grads(other, ids)
     skipped, unskipped = _skipped_key_repeat(model), _skipped_key_repeat(model, reverted=True)
-    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, gated_norm=False, flce=False, swiglu=False, in_proj=False, varlen_attention=False)
+    report = q35lab.apply_to_qwen3_5(model, rms_norm=False, gated_norm=False, flce=False, swiglu=False, in_proj=False,
+                                     varlen_attention=False)
     assert report.replaced == {"Qwen3_5GatedDeltaNet causal conv1d": 1, **skipped}
     assert report.runs["causal conv1d"].startswith("q35lab's")
     calls = count_forward_calls(monkeypatch, CausalConv1dFunction)
@@ -507,7 +521,8 @@ def test_conv_on_a_layer_that_keeps_its_conv_function_as_an_attribute():
     model = causal_lm()
     gdn = _gdn_layers(model)[0]
     gdn.causal_conv1d_fn = None
-    q35lab.apply_to_qwen3_5(model, rms_norm=False, gated_norm=False, flce=False, swiglu=False, in_proj=False, varlen_attention=False)
+    q35lab.apply_to_qwen3_5(model, rms_norm=False, gated_norm=False, flce=False, swiglu=False, in_proj=False,
+                            varlen_attention=False)
     assert "forward" not in vars(gdn) and callable(gdn.causal_conv1d_fn)
     x = torch.randn(2, gdn.conv1d.weight.shape[0], 7, device=device())  # [B, C, T]
     weight, bias = gdn.conv1d.weight.squeeze(1).detach(), gdn.conv1d.bias
@@ -519,14 +534,14 @@ def test_conv_on_a_layer_that_keeps_its_conv_function_as_an_attribute():
 
 
 def test_conv_of_a_packed_batch_does_not_leak_across_sequences():
-    from q35lab.patch import _CausalConv
+    from q35lab.hf.gated_delta_net import CausalConv
 
     C, lengths = 6, [3, 1, 5]
     x = torch.randn(1, C, sum(lengths), device=device())
     weight, bias = torch.randn(C, 4, device=device()), torch.randn(C, device=device())
     cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32, device=device())
-    packed = _CausalConv()(x, weight, bias, activation="silu", cu_seq_lens_q=cu)
-    alone = torch.cat([_CausalConv()(part, weight, bias, activation="silu") for part in x.split(lengths, dim=2)], dim=2)
+    packed = CausalConv()(x, weight, bias, activation="silu", cu_seq_lens_q=cu)
+    alone = torch.cat([CausalConv()(part, weight, bias, activation="silu") for part in x.split(lengths, dim=2)], dim=2)
     torch.testing.assert_close(packed, alone)
 
 
@@ -544,17 +559,16 @@ def test_an_installed_switch_rebuilds_the_type_it_wraps_when_called_without_argu
     """transformers >= 5.25 makes the modeling module's functions `kernels` objects, and unpickles
     one as type(the module's attribute)(): with q35lab's switch installed there, that call must
     give a fresh object of the wrapped type (a plain function is never rebuilt so)."""
-    from q35lab import patch
 
     class KernelFunction:  # the shape of kernels' function objects: called, and rebuilt without arguments
         def __call__(self, x):
             return x + 1
 
-    switch = patch._ConvSwitch.install(KernelFunction())
-    assert isinstance(switch, patch._ConvSwitch) and switch(1) == 2 and switch.active == 0
+    switch = hf_gdn.ConvSwitch.install(KernelFunction())
+    assert isinstance(switch, hf_gdn.ConvSwitch) and switch(1) == 2 and switch.active == 0
     assert isinstance(type(switch)(), KernelFunction)
-    other = patch._DeltaRuleSwitch.install(KernelFunction())
+    other = hf_gdn.DeltaRuleSwitch.install(KernelFunction())
     assert type(other) is not type(switch) and isinstance(type(other)(), KernelFunction)  # a class each
-    plain = patch._ConvSwitch.install(lambda x: x)
+    plain = hf_gdn.ConvSwitch.install(lambda x: x)
     with pytest.raises(TypeError, match="original"):
         type(plain)()

@@ -64,13 +64,15 @@ def test_the_router_gets_its_gradient():
     x, logits, gate_up, down = _routed(23, 40, 6, 12, 3, torch.float32, seed=int(torch.randint(0, 2**31 - 1, ())))
     index, weights = _top_k(logits, 3, torch.float32)
     d_out = torch.randn_like(x)
-    ours = torch.autograd.grad(ops.routed_experts(x, index, weights, gate_up, down), logits, d_out, retain_graph=True)[0]
+    ours = torch.autograd.grad(ops.routed_experts(x, index, weights, gate_up, down), logits, d_out,
+                               retain_graph=True)[0]
     theirs = torch.autograd.grad(ops.routed_experts_ref(x, index, weights, gate_up, down), logits, d_out)[0]
     assert ours.abs().max() > 0
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the 35B-A3B's sizes: a GPU's grouped GEMM (too slow interpreted)")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="the 35B-A3B's sizes: a GPU's grouped GEMM (too slow interpreted)")
 def test_routed_experts_at_the_35b_a3b_sizes():
     """Hidden 2048, 256 experts of width 512, top-8, 4096 tokens: torch's grouped GEMM in bf16."""
     seed = int(torch.randint(0, 2**31 - 1, ()))
@@ -134,7 +136,8 @@ def test_weighted_swiglu_gradient_of_the_weights():
     g64, u64 = gu64.chunk(2, dim=-1)
     h64 = w64[:, None] * torch.nn.functional.silu(g64) * u64
     dh = torch.randn_like(h)
-    for ours, exact in zip(torch.autograd.grad(h, [gate_up, w], dh), torch.autograd.grad(h64, [gu64, w64], dh.double())):
+    for ours, exact in zip(torch.autograd.grad(h, [gate_up, w], dh),
+                           torch.autograd.grad(h64, [gu64, w64], dh.double())):
         torch.testing.assert_close(ours.double(), exact, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(h.double(), h64.detach(), rtol=1e-5, atol=1e-6)
 
@@ -161,7 +164,8 @@ def test_bad_input_names_the_argument(bad, message):
 def test_no_second_derivative():
     x, logits, gate_up, down = _routed(5, 16, 6, 8, 2, torch.float32, seed=1)
     index, weights = _top_k(logits, 2, torch.float32)
-    (dx,) = torch.autograd.grad(ops.routed_experts(x, index, weights, gate_up, down).square().sum(), x, create_graph=True)
+    (dx,) = torch.autograd.grad(ops.routed_experts(x, index, weights, gate_up, down).square().sum(), x,
+                                create_graph=True)
     with pytest.raises(RuntimeError, match="no second derivative"):
         dx.sum().backward()
 

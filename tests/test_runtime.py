@@ -117,7 +117,7 @@ def test_a_cpu_tensor_where_triton_runs_compiled_is_named(monkeypatch):
     q35lab error naming the argument, not Triton's launch error (notebook 06 met it on the H200)."""
     import q35lab
     from q35lab.ops.contiguous_rows import contiguous_rows
-    from q35lab.ops.swiglu import swiglu_down
+    from q35lab.ops.swiglu_down import swiglu_down
 
     monkeypatch.setattr(q35lab.runtime, "INTERPRET", False)
     rows, width, experts = 3, 40, 4

@@ -101,7 +101,8 @@ def test_the_conv_tuning_keeps_the_fastest_tiles_of_the_fine_tune_and_their_best
         row("bwd_dw", 3.5, dw_block_t=16, dw_block_c=128, dw_warps=2, dw_programs_per_sm=4),
     ])
     assert module.best_fields(rows) == dict(block_t=64, block_c=64, num_warps=8, bwd_block_t=16, bwd_block_c=128,
-                                            bwd_warps=2, dw_block_t=32, dw_block_c=64, dw_warps=4, dw_programs_per_sm=16)
+                                            bwd_warps=2, dw_block_t=32, dw_block_c=64, dw_warps=4,
+                                            dw_programs_per_sm=16)
     assert all(set(c) <= {f for f in module.op.LaunchConfig.__dataclass_fields__}
                for options in module.CANDIDATES.values() for c in options)
 

@@ -111,7 +111,8 @@ def test_default_launch_configs():
                               (37, 64, 64), (1, 256, 16)]:
         config = launch_config(width)
         assert (config.block_rows, config.block_cols) == (rows, cols), width
-    assert swiglu_module._even(8, 12288, launch_config(12288)) and not swiglu_module._even(7, 12288, launch_config(12288))
+    assert swiglu_module._even(8, 12288, launch_config(12288))
+    assert not swiglu_module._even(7, 12288, launch_config(12288))
     for width in (1, 37, 128, 1000, 4100, 12288, 17408):
         c = launch_config(width)
         assert c.block_rows & (c.block_rows - 1) == 0 and c.block_cols & (c.block_cols - 1) == 0
@@ -272,7 +273,7 @@ def test_halves_of_a_buffer_someone_else_reads_are_left_alone():
     assert seen["g.grad"] != seen["g"] and torch.equal(extra, extra_before)
     # the caller keeps the gate: neither half is written over
     (gate, up), _ = _fused_gate_up(x, 24)
-    gate_before, up_before = gate.detach().clone(), up.detach().clone()
+    gate_before = gate.detach().clone()
     h = swiglu(gate, up)
     del up
     h.backward(dh)
@@ -504,13 +505,14 @@ def _down_case(rows, width, out, rank, dtype, adapter, bias):
 @pytest.mark.parametrize("rows, width, out, rank", [(5, 37, 11, 3), (1, 64, 8, 4), (7, 1, 5, 2), (33, 300, 17, 16),
                                                     (3, 8, 0, 2), (0, 8, 5, 2), (3, 0, 5, 2), (4, 6, 5, 0)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("adapter, bias", [(True, False), (False, False), (True, True)], ids=["lora", "base", "lora-bias"])
+@pytest.mark.parametrize("adapter, bias", [(True, False), (False, False), (True, True)],
+                         ids=["lora", "base", "lora-bias"])
 def test_swiglu_down_gives_the_bits_of_lora_linear_after_swiglu(rows, width, out, rank, dtype, adapter, bias):
     """The same kernels and GEMMs in the same order, h rebuilt by the forward's own formula: the
     output and every gradient are the unfused path's, bit for bit on the CPU (and so the
     reference's by the numerics rule wherever the unfused path is, tests/test_lora.py)."""
     from q35lab.ops.lora import lora_linear
-    from q35lab.ops.swiglu import swiglu_down
+    from q35lab.ops.swiglu_down import swiglu_down
 
     x, w_g, w_u, weight, lora_A, lora_B, b = _down_case(rows, width, out, rank, dtype, adapter, bias)
     dy = torch.randn(rows, out, device=device(), dtype=dtype)
@@ -535,7 +537,7 @@ def test_swiglu_down_gives_the_bits_of_lora_linear_after_swiglu(rows, width, out
 
 
 def test_swiglu_down_keeps_no_h_for_the_backward():
-    from q35lab.ops.swiglu import swiglu_down
+    from q35lab.ops.swiglu_down import swiglu_down
 
     x, w_g, w_u, weight, lora_A, lora_B, _ = _down_case(6, 40, 9, 4, torch.float32, True, False)
     saved = []
@@ -582,7 +584,7 @@ def test_checkpointing_recomputes_no_frozen_down_projection(early_stop, trainabl
     weight saves h for dW, and its GEMM is recomputed; its gradients are the unfused path's."""
     from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-    from q35lab.ops.swiglu import swiglu_down
+    from q35lab.ops.swiglu_down import swiglu_down
 
     x, w_g, w_u, weight, lora_A, lora_B, b = _down_case(6, 40, 9, 4, torch.float32, adapter, bias)
     weight.requires_grad_(trainable)
@@ -609,7 +611,7 @@ def test_a_gradient_for_the_down_weight_alone_runs_no_swiglu_backward():
     """The first node gets W detached, so a gradient asked for W alone does not run its backward:
     no h gradient ([T, I]), no SwiGLU backward; the gradient is the unfused path's."""
     from q35lab.ops.lora import lora_linear
-    from q35lab.ops.swiglu import swiglu_down
+    from q35lab.ops.swiglu_down import swiglu_down
 
     x, w_g, w_u, weight, lora_A, lora_B, _ = _down_case(6, 40, 9, 4, torch.float32, True, False)
     weight.requires_grad_(True)
@@ -631,7 +633,7 @@ def test_a_gradient_for_the_down_weight_alone_runs_no_swiglu_backward():
 def test_an_in_place_edit_of_the_down_weight_before_the_backward_raises():
     """W is saved (detached, sharing its version counter): editing it in place between the forward
     and the backward is caught, as for any autograd op, rather than read silently."""
-    from q35lab.ops.swiglu import swiglu_down
+    from q35lab.ops.swiglu_down import swiglu_down
 
     x, w_g, w_u, weight, lora_A, lora_B, _ = _down_case(6, 40, 9, 4, torch.float32, True, False)
     y = swiglu_down(x @ w_g, x @ w_u, weight, lora_A, lora_B, 2.0)
@@ -648,7 +650,7 @@ def test_the_down_projections_input_gradient_is_made_after_the_recompute():
     second node that made dh in its own backward, before the recompute, would put it second)."""
     from torch.utils.checkpoint import checkpoint
 
-    from q35lab.ops.swiglu import swiglu_down
+    from q35lab.ops.swiglu_down import swiglu_down
 
     x, w_g, w_u, weight, lora_A, lora_B, _ = _down_case(6, 40, 9, 4, torch.float32, True, False)
     order = []
@@ -670,7 +672,7 @@ def test_the_down_projections_input_gradient_is_made_after_the_recompute():
 
 
 def test_swiglu_down_errors_name_the_argument():
-    from q35lab.ops.swiglu import swiglu_down
+    from q35lab.ops.swiglu_down import swiglu_down
 
     g = u = torch.randn(3, 10, device=device())
     w = torch.randn(4, 10, device=device())
@@ -692,7 +694,7 @@ def test_swiglu_down_errors_name_the_argument():
 def test_broadcast_rows_of_one_buffer_are_not_a_pair(op):
     """gate and up expanded from one [1, 2I] row (row stride 0): not two blocks side by side, and
     their gradients are the reference's (summed over the broadcast rows)."""
-    from q35lab.ops.swiglu import swiglu_down
+    from q35lab.ops.swiglu_down import swiglu_down
 
     base = torch.randn(1, 20, device=device(), requires_grad=True)
     weight = torch.randn(3, 10, device=device())

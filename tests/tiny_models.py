@@ -59,7 +59,8 @@ def assert_same_loss_and_grads(a, b, rtol=1e-5, atol=1e-6):
     torch.testing.assert_close(loss_a, loss_b, rtol=rtol, atol=atol)
     assert grads_a.keys() == grads_b.keys() and grads_a
     for name in grads_a:
-        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=rtol, atol=atol,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def count_forward_calls(monkeypatch, function_class) -> list:

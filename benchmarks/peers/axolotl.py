@@ -149,7 +149,8 @@ def _as_built_by(built, make):
     for name, _ in list(module.named_parameters(recurse=False)):
         setattr(module, name, getattr(built, name))
     if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-        raise RuntimeError(f"{type(module).__name__} holds a tensor that the {type(built).__name__} it replaces has not")
+        raise RuntimeError(f"{type(module).__name__} holds a tensor that the {type(built).__name__} it replaces "
+                           "has not")
     return module.train(built.training)
 
 

@@ -1,8 +1,8 @@
 """Repack a wheel without some of its files: what the slim_* scripts share."""
 
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
 def repack(wheel: Path, out_dir: Path, drop: Callable[[str], bool]) -> Path:

@@ -76,7 +76,7 @@ def _setup(kind: str):
         x = data["x"].detach().requires_grad_()
         inner, params = _build(data, adapters=(kind != "base"), adapter_fp32=(kind != "peft_bf16"))
         if kind in ("q35lab", "q35lab_own_z"):
-            from ..patch import IN_PROJ_GROUP, IN_PROJ_OWN_BUFFER
+            from ..patch.in_proj import IN_PROJ_GROUP, IN_PROJ_OWN_BUFFER
 
             order, own = (IN_PROJ_GROUP, IN_PROJ_OWN_BUFFER) if kind == "q35lab_own_z" else (tuple(OUT_FEATURES), ())
             layers = [getattr(inner, name) for name in order]

@@ -1,13 +1,8 @@
-"""The transformers releases q35lab supports, and each fact about them that differs between releases.
+"""The transformers releases q35lab supports, and each private fact about them that differs between releases.
 
-q35lab patches transformers' Qwen3.5 modules through names transformers keeps to itself: the modeling
-module's functions it switches, a closure variable of the hub-kernel wrapper, the entry its
-checkpointing layer goes through. They change between minor releases, so each such fact is one
-function or constant here, with the releases it holds for; ``patch`` and ``long_context`` ask here
-rather than probing transformers themselves, and a new release is checked in one place. Facts are
-read from the code that runs (a source, a closure, a class's attributes), not from the version
-number, so that a development build is judged by what it does. CI tests the lowest and the newest
-release of the range (``.ci/run``).
+Each fact is one function or constant here, so a new release is checked in one place. Facts are read from
+the code that runs (a source, a closure, a class's attributes), not the version number, so a development
+build is judged by what it does.
 """
 
 from __future__ import annotations
@@ -18,16 +13,14 @@ import re
 import sys
 import types
 
-#: The lowest release supported: the first whose GatedDeltaNet calls its modeling module's conv and
-#: delta rule, which q35lab switches to keep packed sequences apart. 5.2 (the first with Qwen3.5)
-#: to 5.14 keep them on each layer and never hand them packed sequences' boundaries.
+#: The lowest release supported: from 5.15 the GatedDeltaNet calls its modeling module's conv and delta
+#: rule, which q35lab switches to keep packed sequences apart (5.2 to 5.14 never pass their boundaries).
 LOWEST = (5, 15, 0)
 #: The newest release tested; the range ends before the next minor release.
 NEWEST_TESTED = (5, 25, 0)
 #: The requirement in pyproject.toml (a test checks that the two agree).
 REQUIREMENT = f"transformers>={LOWEST[0]}.{LOWEST[1]},<{NEWEST_TESTED[0]}.{NEWEST_TESTED[1] + 1}"
-#: What CI installs beside its environment to test the lowest release (.ci/run reads it without
-#: importing q35lab): that release, and the releases of its requirements that the newest's do not meet.
+#: What CI installs to test the lowest release (.ci/run reads it without importing q35lab).
 LOWEST_INSTALL = ("transformers==" + ".".join(map(str, LOWEST)), "tokenizers>=0.22,<=0.23.0", "huggingface_hub>=1.5,<2")
 
 
@@ -62,9 +55,7 @@ RECURRENT_CORE = "torch_recurrent_gated_delta_rule"
 
 
 def keeps_kernels_on_the_layer(gdn) -> bool:
-    """Whether the GatedDeltaNet keeps its conv and delta rule as its own attributes, the conv None
-    without the causal-conv1d package (transformers < 5.15, below the range), rather than calling
-    its modeling module's functions."""
+    """Whether the GatedDeltaNet keeps its conv and delta rule as attributes (transformers < 5.15)."""
     return "causal_conv1d_fn" in vars(gdn)
 
 
@@ -91,12 +82,10 @@ def module_function(modeling: types.ModuleType, name: str):
 
 
 def hub_implementation(function):
-    """The function transformers' ``use_kernel_func_from_hub_with_fallback`` picked at import for a
-    modeling module's function (5.15 on): kept in its wrapper's closure as ``implementation`` (the
-    package's, or transformers' own PyTorch one when the import failed). From 5.25, with the
-    ``kernels`` package, the wrapper sits inside a ``kernels`` module whose class's forward closes
-    over it as ``func``. Anything else is its own implementation."""
-    if not inspect.isfunction(function):  # a `kernels` function module: its class's forward holds the wrapper
+    """The implementation transformers' hub wrapper picked at import for ``function``: the wrapper's
+    closure variable ``implementation`` (5.15 on), reached through a ``kernels`` module's ``func``
+    (5.25 on, with ``kernels``); anything else is its own implementation."""
+    if not inspect.isfunction(function):  # a `kernels` module: its class's forward holds the wrapper
         function = _closure(getattr(type(function), "forward", None)).get("func", function)
     return _closure(function).get("implementation", function)
 
@@ -109,11 +98,10 @@ def _closure(function) -> dict:
 
 @functools.cache
 def forward_repeats_key_heads(cls: type) -> bool:
-    """Whether ``cls.forward`` repeats q and k to the value heads itself before the delta rule
-    (transformers < 5.23), rather than leaving it to the core (5.23 on: its PyTorch core and fla's
-    take fewer key heads). Read from the source of the forward and of what its wrappers call (5.15's
-    ``force_accelerate_hooks`` wraps it without ``functools.wraps``); where there is none, True
-    (repeating is exact for every core, only less frugal)."""
+    """Whether ``cls.forward`` repeats q and k to the value heads itself (transformers < 5.23).
+
+    Read from the source of the forward and what its wrappers call; True where no source is found
+    (repeating is exact for every core)."""
     sources = []
     for function in _wrapped_functions(cls.forward):
         try:
@@ -133,27 +121,23 @@ def _wrapped_functions(function, depth: int = 3) -> list:
     return found
 
 
-#: The keyword arguments under which transformers hands a GatedDeltaNet or its decoder layer a
-#: cache: ``cache_params`` (GatedDeltaNet) and ``past_key_values`` (layer) before 5.24, ``cache``
-#: for both from 5.24.
+#: Keywords that carry a cache: ``cache_params``/``past_key_values`` below 5.24, ``cache`` from 5.24.
 CACHE_ARGUMENTS = ("cache", "cache_params", "past_key_values")
 
 
 # ---- Gradient checkpointing -------------------------------------------------------------------
 
 def checkpoints_the_call() -> bool:
-    """Whether ``GradientCheckpointingLayer`` checkpoints its ``__call__``, around an instance's
-    forward (transformers < 5.23), rather than the class's ``forward`` (5.23 on), which an
-    instance's forward replaces."""
+    """Whether ``GradientCheckpointingLayer`` checkpoints ``__call__`` (transformers < 5.23), around an
+    instance's forward, rather than the class's ``forward`` (5.23 on)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     return "__call__" in vars(GradientCheckpointingLayer)
 
 
 def enable_checkpointing(model, **checkpoint_kwargs) -> None:
-    """Turn on the model's activation (gradient) checkpointing, ``checkpoint_kwargs`` passed to
-    ``torch.utils.checkpoint``: ``activation_checkpointing_enable`` from transformers 5.23, which
-    deprecates ``gradient_checkpointing_enable``, the only name before."""
+    """Turn on the model's activation checkpointing with ``checkpoint_kwargs`` for ``torch.utils.checkpoint``
+    (``activation_checkpointing_enable`` from 5.23, ``gradient_checkpointing_enable`` below)."""
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs)
     else:

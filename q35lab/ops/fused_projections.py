@@ -122,7 +122,7 @@ def unpack_rows(weights: list[torch.Tensor]) -> None:
         w.data = w.data.clone()
 
 
-def _rows_of_one_buffer(weights: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
+def rows_of_one_buffer(weights: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
     """The ``[ΣN, K]`` view spanning ``weights`` (already checked to be ``[N_i, K]``) when they lie
     back to back in one buffer, in ``dtype`` (as ``pack_rows`` leaves them); None otherwise."""
     first = weights[0]
@@ -158,7 +158,7 @@ class ConcatCache:
             weight = weight() if isinstance(weight, weakref.ref) else weight
             if weight is not None:
                 return weight, bias
-        weight = _rows_of_one_buffer([p.weight for p in projections], dtype)
+        weight = rows_of_one_buffer([p.weight for p in projections], dtype)
         copied = weight is None
         if copied:
             weight = torch.cat([p.weight.detach().to(dtype) for p in projections], dim=0)

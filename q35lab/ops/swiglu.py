@@ -484,13 +484,3 @@ def swiglu_packed(gate_up: torch.Tensor, *, rounding: str = "hf", inplace_backwa
 
 #: ``swiglu_down`` and its pieces live in ``ops/swiglu_down.py`` (which imports this module's kernels);
 #: q35lab.patch and q35lab.long_context reach them through here.
-_SWIGLU_DOWN_NAMES = ("swiglu_down", "SwiGLUDownFunction", "DownProjectionFunction", "unread_down_outputs", "is_unread")
-
-
-def __getattr__(name: str):
-    if name in _SWIGLU_DOWN_NAMES:  # imported on first use: an import at the top would be circular
-        from . import swiglu_down as module
-
-        value = globals()[name] = getattr(module, name)
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

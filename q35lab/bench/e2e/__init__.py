@@ -12,9 +12,9 @@
 * ``cli``: one process per variant, rows merged into the CSV (``main``, ``merge_rows``).
 """
 
-from .kernels import CATEGORIES, breakdown, categorize, profile_step
 from .cli import main, merge_rows
 from .floor import floor_inputs, step_floor
+from .kernels import CATEGORIES, breakdown, categorize, profile_step
 from .memory import SOURCES, allocation_source, memory_at_peak, out_of_memory_note, peak_breakdown
 from .model import SIZES, build, config
 from .packing import pack_sequences, packed_batch, padded_batches, sft_batch, sft_lengths

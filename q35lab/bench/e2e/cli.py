@@ -42,11 +42,11 @@ import torch
 from ... import runtime
 from ..._argtypes import output_file, real_number, tokens, whole_number
 from ..core import read_csv, run_info
-from .kernels import breakdown, profile_step
+from . import peers
 from .floor import floor_inputs, step_floor
+from .kernels import breakdown, profile_step
 from .memory import is_out_of_memory, memory_at_peak, out_of_memory_note
 from .model import SIZES, build, config
-from . import peers
 from .step import measure, measure_layer
 from .variants import VARIANTS, prepare, report_text
 
@@ -170,9 +170,10 @@ def _breakdown(model, T: int, args, key: dict, step_ms: float) -> dict:
     except Exception as exc:  # out of memory included
         return {"note": f"breakdown failed: {type(exc).__name__}: {exc}"[:300]}
     device_ms = sum(row["ms"] for row in rows)
+    # (floor_gemm_at_shapes_ms is among the floor's terms)
     beside = {"step_ms": step_ms, "device_ms": device_ms, **{f"floor_{term}": value for term, value in floor.items()},
               "matmul_tflops": rates["matmul_tflops"], "copy_gbps": rates["copy_gbps"],
-              "sdpa_layer_ms": rates["sdpa_ms"], "core_layer_ms": rates["core_ms"]}  # (floor_gemm_at_shapes_ms among the floor's)
+              "sdpa_layer_ms": rates["sdpa_ms"], "core_layer_ms": rates["core_ms"]}
     with open(_breakdown_lines(args.out), "a") as f:
         for row in rows:
             f.write(json.dumps({**key, **row, **beside}) + "\n")
@@ -231,11 +232,14 @@ def _one_variant(args) -> None:
             torch.cuda.empty_cache()
         _write_line(args.out, row)  # (merge_rows keeps the last line of a key)
         if args.what == "layer":
-            print(f"{args.variant:22s} T={T:6d} {row['status']:5s} GatedDeltaNet fwd+bwd {row.get('layer_ms', math.nan):8.2f} ms, "
-                  f"in_proj {row.get('in_proj_ms', math.nan):8.2f} ms, core {row.get('core_ms', math.nan):8.2f} ms", flush=True)
+            print(f"{args.variant:22s} T={T:6d} {row['status']:5s} "
+                  f"GatedDeltaNet fwd+bwd {row.get('layer_ms', math.nan):8.2f} ms, "
+                  f"in_proj {row.get('in_proj_ms', math.nan):8.2f} ms, core {row.get('core_ms', math.nan):8.2f} ms",
+                  flush=True)
         else:
             print(f"{args.variant:22s} T={T:6d} {row['status']:5s} step {row.get('step_ms', math.nan):9.1f} ms, "
-                  f"outside core {row.get('outside_core_ms', math.nan):9.1f} ms, peak {row.get('peak_gib', math.nan):6.1f} GiB"
+                  f"outside core {row.get('outside_core_ms', math.nan):9.1f} ms, "
+                  f"peak {row.get('peak_gib', math.nan):6.1f} GiB"
                   + (f", floor {row['floor_ms']:9.1f} ms" if "floor_ms" in row else ""), flush=True)
         if row["status"] == "oom" and not args.fit:
             break  # longer sequences will not fit either
@@ -244,7 +248,8 @@ def _one_variant(args) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m q35lab.e2e", description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", nargs="+", default=["peft", "peft+liger", "q35lab"], choices=sorted(VARIANTS),
-                        metavar="VARIANT", help="what to train, each in a fresh process (default: peft peft+liger q35lab): "
+                        metavar="VARIANT",
+                        help="what to train, each in a fresh process (default: peft peft+liger q35lab): "
                         + ", ".join(sorted(VARIANTS)))
     parser.add_argument("--T", type=tokens(), nargs="+", default=[8192, 32768], metavar="TOKENS",
                         help="sequence lengths in tokens (8192, 8k), batch 1 (default: 8192 32768)")
@@ -279,16 +284,19 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--attention", choices=["sdpa", "flex_attention", "eager"], default=None,
                         help="transformers' attn_implementation (default: its own, sdpa); the rows record it")
     parser.add_argument("--memory-at-peak", action="store_true",
-                        help="at each --T, one more step recorded by the allocator: what is alive at its peak, by source")
+                        help="at each --T, one more step recorded by the allocator: what is alive at its peak, "
+                        "by source")
     parser.add_argument("--breakdown", action="store_true",
-                        help="at each --T, one more step profiled: device time by kernel category and its sources, beside "
-                        "the step's floor, in step_breakdown.csv next to --out (steps only)")
-    parser.add_argument("--out", type=output_file, required=True, help="CSV to write; rows of a variant and T measured again replace theirs, others are kept "
+                        help="at each --T, one more step profiled: device time by kernel category and its sources, "
+                        "beside the step's floor, in step_breakdown.csv next to --out (steps only)")
+    parser.add_argument("--out", type=output_file, required=True,
+                        help="CSV to write; rows of a variant and T measured again replace theirs, others are kept "
                         "(a .jsonl of the same name collects the rows)")
     parser.add_argument("--merge-leftovers", action="store_true",
                         help="only merge the rows that children wrote beside --out (its .jsonl, and the breakdown's) "
                         "and that a parent killed by a time limit left unmerged, then stop")
-    parser.add_argument("--variant", choices=sorted(VARIANTS), help=argparse.SUPPRESS)  # the child process's one variant
+    # the child process's one variant
+    parser.add_argument("--variant", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
     return parser
 
 
@@ -322,8 +330,10 @@ def main(argv=None) -> int:
                  "--rank", str(args.rank), "--steps", str(args.steps),
                  "--warmup", str(args.warmup), "--fit-max", str(args.fit_max), "--fit-from", str(args.fit_from),
                  "--fit-step", str(args.fit_step), *(["--fit"] if args.fit else []),
-                 *(["--memory-at-peak"] if args.memory_at_peak else []), *(["--batch", args.batch] if args.batch else []),
-                 *(["--attention", args.attention] if args.attention else []), *(["--breakdown"] if args.breakdown else []),
+                 *(["--memory-at-peak"] if args.memory_at_peak else []),
+                 *(["--batch", args.batch] if args.batch else []),
+                 *(["--attention", args.attention] if args.attention else []),
+                 *(["--breakdown"] if args.breakdown else []),
                  "--T", *map(str, args.T)]
         if subprocess.run(child).returncode != 0:  # one row per size asked for, so that it replaces theirs
             with open(lines, "a") as f:

@@ -82,10 +82,10 @@ def linear_flop(layer: Linear, rank: int) -> int:
     """GEMM FLOPs of one linear layer per token over a whole step under gradient checkpointing.
 
     The frozen base ``W [n, k]``: forward ``2kn``, checkpointing's recompute ``2kn`` (unless it
-    need not be ``recomputed``), backward dx only ``2kn`` (no dW: frozen) — ``6kn`` (``4kn``). Its LoRA adapter ``A [r, k]``, ``B [n, r]``: forward
-    ``xA`` ``2kr`` and ``(xA)B`` ``2rn``, the same again in the recompute, backward dB ``2rn``,
-    d(xA) ``2nr``, dA ``2kr`` and dx through A ``2rk`` — ``8r(k + n)``. Routed experts count
-    ``rows`` (top-k) times."""
+    need not be ``recomputed``), backward dx only ``2kn`` (no dW: frozen) — ``6kn`` (``4kn``).
+    Its LoRA adapter ``A [r, k]``, ``B [n, r]``: forward ``xA`` ``2kr`` and ``(xA)B`` ``2rn``, the
+    same again in the recompute, backward dB ``2rn``, d(xA) ``2nr``, dA ``2kr`` and dx through A
+    ``2rk`` — ``8r(k + n)``. Routed experts count ``rows`` (top-k) times."""
     adapter = 8 * rank * (layer.k + layer.n) if layer.lora else 0
     return layer.rows * ((6 if layer.recomputed else 4) * layer.k * layer.n + adapter)
 
@@ -102,10 +102,10 @@ def step_gemm_flop(config, T: int, rank: int) -> int:
 def step_gemms(config, T: int, rank: int) -> dict[tuple[int, int, int], int]:
     """The GEMMs of a step as ``{(m, k, n): count}`` (an ``[m, k] @ [k, n]`` product each), the
     same work ``linear_flop`` and ``step_gemm_flop`` count: per linear layer its base forward
-    ``(T, k, n)`` twice (forward, recompute; once where it is not ``recomputed``) and dx ``(T, n, k)``; its adapter's ``xA (T, k, r)``
-    and ``(xA)B (T, r, n)`` twice, ``dB (n, T, r)``, ``d(xA) (T, n, r)``, ``dA (r, T, k)``, dx
-    through A ``(T, r, k)``; the LM head's forward ``(T, H, V)`` and dx ``(T, V, H)``. Routed
-    experts as one dense GEMM of ``rows·T`` rows."""
+    ``(T, k, n)`` twice (forward, recompute; once where it is not ``recomputed``) and dx ``(T, n, k)``;
+    its adapter's ``xA (T, k, r)`` and ``(xA)B (T, r, n)`` twice, ``dB (n, T, r)``, ``d(xA) (T, n, r)``,
+    ``dA (r, T, k)``, dx through A ``(T, r, k)``; the LM head's forward ``(T, H, V)`` and dx
+    ``(T, V, H)``. Routed experts as one dense GEMM of ``rows·T`` rows."""
     gemms: dict[tuple[int, int, int], int] = {}
 
     def add(shape, count):
@@ -141,7 +141,7 @@ def gemms_alone_ms(config, T: int, rank: int, device, max_rows: int = 8192) -> f
         a = torch.randn(dims[0], dims[1], device=device, dtype=torch.bfloat16)
         b = torch.randn(dims[1], dims[2], device=device, dtype=torch.bfloat16)
         torch.mm(a, b)  # cuBLAS picks and warms its kernel
-        total += count * scale * kernel_ms([lambda: torch.mm(a, b)] * 3)
+        total += count * scale * kernel_ms([lambda a=a, b=b: torch.mm(a, b)] * 3)  # bound: deleted below
         del a, b
     return total
 
@@ -166,7 +166,8 @@ def streaming_elements(config, layer_type: str) -> tuple[int, int]:
     if getattr(config, "num_experts", 0):
         top = config.num_experts_per_tok
         width = top * config.moe_intermediate_size + config.shared_expert_intermediate_size
-        forward, backward = 2 * 2 * H + 2 * 3 * H + 3 * width + (top + 2) * H, 2 * 3 * H + 2 * 3 * H + 5 * width + (top + 2) * H
+        forward = 2 * 2 * H + 2 * 3 * H + 3 * width + (top + 2) * H
+        backward = 2 * 3 * H + 2 * 3 * H + 5 * width + (top + 2) * H
     else:
         I = config.intermediate_size  # noqa: E741
         forward, backward = 2 * 2 * H + 2 * 3 * H + 3 * I, 2 * 3 * H + 2 * 3 * H + 5 * I
@@ -252,7 +253,8 @@ def attention_alone_ms(model, T: int) -> float:
     model is configured with (SDPA by default), on its own attention module, bf16 q [1, heads, T,
     head_dim] and k, v with the key/value heads, forward, recompute and backward. NaN without such
     a layer."""
-    attention = next((m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "o_proj")), None)
+    attention = next((m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "o_proj")),
+                     None)
     if attention is None:
         return math.nan
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -264,7 +266,8 @@ def attention_alone_ms(model, T: int) -> float:
         function = sys.modules[type(attention).__module__].eager_attention_forward
     config = attention.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    q, k, v = (_random((1, h, T, attention.head_dim), attention, seed) for seed, h in enumerate((heads, kv_heads, kv_heads)))
+    q, k, v = (_random((1, h, T, attention.head_dim), attention, seed)
+               for seed, h in enumerate((heads, kv_heads, kv_heads)))
     return _alone_ms(lambda: function(attention, q, k, v, None, dropout=0.0, scaling=attention.scaling)[0],
                      (q, k, v))
 
@@ -297,14 +300,15 @@ def core_call(model, tokens: int = 64) -> dict | None:
     where set, else its modeling module's ``torch_chunk_gated_delta_rule``), the (heads, dim) of q,
     k and v as passed (some versions repeat q and k to the value heads first), and the keyword
     arguments other than the tensors and the recurrent state. None without such a layer."""
-    from ...long_context import _is_gated_delta_net, _modeling_module
+    from ...hf.gated_delta_net import modeling_module
+    from ...hf.modules import is_gated_delta_net
 
-    gdn = next((m for m in model.modules() if _is_gated_delta_net(m)), None)
+    gdn = next((m for m in model.modules() if is_gated_delta_net(m)), None)
     if gdn is None:
         return None
     # where long_context._core_function looks: the layer's own attribute, else its modeling module's
     owners = [(gdn, "chunk_gated_delta_rule")] if callable(vars(gdn).get("chunk_gated_delta_rule")) else []
-    owners.append((_modeling_module(gdn), "torch_chunk_gated_delta_rule"))
+    owners.append((modeling_module(gdn), "torch_chunk_gated_delta_rule"))
     seen = []
 
     def recorder(function):

@@ -27,8 +27,8 @@ _PATTERNS = (
     ("attention", re.compile(r"flash|fmha|sdpa|scaled_dot_product|attention", re.I)),
     ("delta rule", re.compile(r"^chunk_|gated_delta|delta_rule|recompute_w_u|wy_repr|solve_tril|merge_16x16|l2norm")),
     ("conv", re.compile(r"conv|depthwise|fprop|dgrad|wgrad", re.I)),
-    ("GEMM", re.compile(r"cutlass|cublas|xmma|gemm|nvjet|^aten::(mm|addmm|bmm|baddbmm|addbmm|matmul|linear|_addmm_activation)$",
-                        re.I)),
+    ("GEMM", re.compile(r"cutlass|cublas|xmma|gemm|nvjet"
+                        r"|^aten::(mm|addmm|bmm|baddbmm|addbmm|matmul|linear|_addmm_activation)$", re.I)),
     ("copies/casts", re.compile(r"copy|memcpy|(?<!no)cast|^aten::(to|clone|contiguous)$", re.I)),
 )
 

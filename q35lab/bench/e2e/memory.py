@@ -14,7 +14,6 @@ import torch.utils.checkpoint
 
 from .step import _training_setup, tokens, train_step
 
-
 #: Where memory or a kernel comes from: the innermost Python frame in one of these places (not
 #: the harness's own wrappers, which sit around everything).
 SOURCES = (("/q35lab/ops/", "q35lab"), ("/q35lab/patch.py", "q35lab"), ("liger_kernel", "liger"),
@@ -116,7 +115,7 @@ def with_full_recompute_on_system_error(step):
 def is_out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` says the GPU ran out of memory: PyTorch's allocator raises
     ``torch.cuda.OutOfMemoryError``; a Triton kernel whose launch finds no memory left (fla's, near
-    the limit: 2026-12-06 on an H100) raises a plain ``RuntimeError("Triton Error [CUDA]: out of
+    the limit, as seen on an H100) raises a plain ``RuntimeError("Triton Error [CUDA]: out of
     memory")``, which is the same limit, not a failure of the variant."""
     if isinstance(exc, torch.cuda.OutOfMemoryError):
         return True

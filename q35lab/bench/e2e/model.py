@@ -55,8 +55,9 @@ def base_model(size: str = "h200", layers: int | None = None, device=None, dtype
                                                 **({"attn_implementation": attention} if attention else {}))
 
 
-def build(size: str = "h200", layers: int | None = None, rank: int = 16, device=None, dtype=torch.bfloat16, seed: int = 0,
-          checkpointing: bool = True, modules_to_save: list[str] | None = None, attention: str | None = None):
+def build(size: str = "h200", layers: int | None = None, rank: int = 16, device=None, dtype=torch.bfloat16,
+          seed: int = 0, checkpointing: bool = True, modules_to_save: list[str] | None = None,
+          attention: str | None = None):
     """``AutoModelForCausalLM.from_config`` (random weights, seeded), LoRA r=``rank`` on every
     linear layer (PEFT's defaults otherwise: fp32 adapters), gradient checkpointing.
     ``modules_to_save`` (e.g. ``["embed_tokens", "lm_head"]``) trains those whole, as for new tokens.

@@ -79,7 +79,8 @@ def packed_batch(lengths: list[int], vocab: int, device, seed: int = 0) -> list[
     return [{"kwargs": pack_sequences(sequences), "weight": 1.0, "real_tokens": sum(lengths), "tokens": sum(lengths)}]
 
 
-def padded_batches(lengths: list[int], vocab: int, device, seed: int = 0, tokens_per_batch: int | None = None) -> list[dict]:
+def padded_batches(lengths: list[int], vocab: int, device, seed: int = 0,
+                   tokens_per_batch: int | None = None) -> list[dict]:
     """The same sequences (same ids as ``packed_batch``), in order, in micro-batches padded to
     their longest, each at most ``tokens_per_batch`` tokens with padding (default: all of them)."""
     sequences = _sequences(lengths, vocab, seed)

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from ...patch import IN_PROJ_NAMES
+from ...hf.modules import IN_PROJ_NAMES
 from .packing import sft_batch
 from .timer import RegionTimer, _Stamp
 
@@ -56,7 +56,7 @@ def _training_setup(model, lr: float):
     """The model's device, its vocabulary size (for random tokens) and a fresh AdamW over its
     trainable parameters: what every measured step starts from. The fused AdamW is what
     transformers' ``Trainer`` runs by default (``optim="adamw_torch_fused"``); torch's own default
-    (``foreach``) took 22 ms of the 9B step at 32k (cf6f1ec's profile), the same in every variant."""
+    (``foreach``) is slower, by the same time in every variant."""
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, fused=True)
     return next(model.parameters()).device, model.get_input_embeddings().weight.shape[0], optimizer
 
@@ -65,10 +65,10 @@ def _batch_seed(batch: str, step: int) -> int:
     """The seed of a step's SFT mix. A padded step trains the same micro-batches every step: their
     row counts and widths are compile-time constants of some of fla's kernels (its chunked cumsum's
     and output backward's batch size), so a new mix compiles new kernels, which a training run pays
-    once per shape and a short measurement would pay in every step (2026-12-03, q35lab's padded
-    9B step at 32k with a new mix each step: 53 s and 41 s, the core's region 38 s of them, against
-    0.44 s packed). The warm-up compiles the shapes the measured steps then reuse. A packed step is
-    one row of T tokens whatever its mix: each step its own."""
+    once per shape and a short measurement would pay in every step (a padded step with a new mix
+    each step is then mostly compilation, inside the core's region). The warm-up compiles the shapes
+    the measured steps then reuse. A packed step is one row of T tokens whatever its mix: each step
+    its own."""
     return 0 if batch == "padded" else step
 
 
@@ -87,7 +87,10 @@ def measure(model, T: int, steps: int = 3, warmup: int = 1, lr: float = 1e-4, co
     on_gpu = device.type == "cuda"
     with timer.functions(model) as n_wrapped:
         for i in range(warmup + steps):
-            ids = tokens(T, vocab, device, seed=i) if batch is None else sft_batch(batch, T, vocab, device, seed=_batch_seed(batch, i))
+            if batch is None:
+                ids = tokens(T, vocab, device, seed=i)
+            else:
+                ids = sft_batch(batch, T, vocab, device, seed=_batch_seed(batch, i))
             if on_gpu:
                 torch.cuda.synchronize()
                 if i == warmup:

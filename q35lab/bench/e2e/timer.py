@@ -24,7 +24,7 @@ class _Stamp:
         else:
             self.time = time.perf_counter()
 
-    def ms_until(self, end: "_Stamp") -> float:
+    def ms_until(self, end: _Stamp) -> float:
         if self.event is None:
             return 1e3 * (end.time - self.time)
         end.event.synchronize()  # an event still queued behind the step's kernels has no time yet

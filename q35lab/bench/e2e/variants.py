@@ -26,12 +26,14 @@ LONG_CONTEXT = {
 }
 VARIANTS = {
     "peft": "PEFT with its defaults (fp32 adapters, input cast)",
-    "peft+liger": "PEFT + apply_liger_kernel_to_qwen3_5 (_moe for the MoE): RMSNorm, SwiGLU, fused linear cross entropy",
+    "peft+liger": "PEFT + apply_liger_kernel_to_qwen3_5 (_moe for the MoE): RMSNorm, SwiGLU, "
+                  "fused linear cross entropy",
     "peft+axolotl": "PEFT + axolotl 0.21's Qwen3.5 LoRA patches: LoRA kernels, gated norm "
                     "(benchmarks/peers/axolotl.py)",
-    "peft+liger+axolotl": "PEFT + axolotl 0.21's Qwen3.5 recipe with its Liger plugin: Liger's RMSNorm and fused linear "
-                          "cross entropy, axolotl's LoRA kernels and gated norm; Liger's SwiGLU MLP is built but "
-                          "axolotl's LoRA_MLP, bound later, replaces its forward (benchmarks/peers/axolotl.py)",
+    "peft+liger+axolotl": "PEFT + axolotl 0.21's Qwen3.5 recipe with its Liger plugin: Liger's RMSNorm and "
+                          "fused linear cross entropy, axolotl's LoRA kernels and gated norm; Liger's SwiGLU MLP is "
+                          "built but axolotl's LoRA_MLP, bound later, replaces its forward "
+                          "(benchmarks/peers/axolotl.py)",
     "unsloth": "Unsloth's Qwen3.5 LoRA path: the same weights saved and loaded by FastLanguageModel (bf16), "
                "get_peft_model on every linear layer, its offloaded gradient checkpointing "
                "(benchmarks/peers/unsloth.py)",

@@ -25,11 +25,11 @@ import pandas as pd
 import torch
 from triton.testing import do_bench
 
+from ...ops import _tuned
+from ...ops import causal_conv1d as op
 from .. import core
 from . import parse
 from . import parser as tuning_parser
-from ...ops import _tuned
-from ...ops import causal_conv1d as op
 
 KERNEL_SIZE = 4
 

@@ -17,11 +17,11 @@ import pandas as pd
 import torch
 from triton.testing import do_bench
 
+from ...ops import _tuned
+from ...ops import gated_rms_norm as op
 from .. import core
 from . import parse
 from . import parser as tuning_parser
-from ...ops import _tuned
-from ...ops import gated_rms_norm as op
 
 WIDTH, HEADS = 128, 32
 

@@ -20,11 +20,11 @@ import pandas as pd
 import torch
 
 from ... import shapes
+from ...ops import _tuned
+from ...ops import linear_cross_entropy as op
 from .. import core
 from . import parse
 from . import parser as tuning_parser
-from ...ops import _tuned
-from ...ops import linear_cross_entropy as op
 
 #: A chunk within this factor of the fastest counts as fast: among those the smallest is kept.
 WITHIN = 1.02
@@ -61,7 +61,7 @@ def main(argv=None):
             rows.append(dict(head=head, weight_grad=weight_grad, T=args.T, chunk_rows=chunk, status=timing.status,
                              kernel_ms=timing.kernel_ms, wall_ms=timing.wall_ms, extra_peak_mb=timing.extra_peak_mb,
                              matmuls=timing.kernel_ms / one_matmul_ms, matmul_tflops=matmul_tflops))
-        del w
+        w = wanted = None  # frees this head before the next is made: step's closure holds both
     table = pd.DataFrame(rows)
     ok = table[table.status == "ok"]
     fastest = {}

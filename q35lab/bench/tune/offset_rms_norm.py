@@ -16,10 +16,10 @@ import pandas as pd
 import torch
 from triton.testing import do_bench
 
+from ...ops import offset_rms_norm as op
 from .. import core
 from . import parse
 from . import parser as tuning_parser
-from ...ops import offset_rms_norm as op
 
 
 def main(argv=None):

@@ -1,0 +1,242 @@
+"""The long-context planner: the cheapest options (offload, then tiles) that the memory model fits
+on a GPU for a step of T tokens, and the longest step some plan fits."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .memory import H200_USABLE_BYTES, GiB, MemoryModel, bytes_per_token, dims, memory_bytes
+from .offload import HOST_RESERVE_BYTES, default_host_reserve, host_memory_available
+from .tiles import check_tile_tokens
+
+
+def plan_offload_layers(config, tokens: int, *, gpu_bytes: float = H200_USABLE_BYTES,
+                        host_bytes: float | None = None, host_reserve_bytes: float = HOST_RESERVE_BYTES,
+                        **model_settings) -> tuple[int, bool]:
+    """The fewest decoder layers to offload for a step of ``tokens`` to fit ``gpu_bytes``, within the
+    host memory.
+
+    Args:
+        config: a dense Qwen3.5 text config.
+        tokens (int): the step's tokens (a row's).
+        gpu_bytes (float): the GPU memory the step may use. Default: ``H200_USABLE_BYTES``.
+        host_bytes (float, optional): the host memory free. Default: ``host_memory_available()``
+            (where unknown, no limit).
+        host_reserve_bytes (float): of that, what the offload leaves free. Default: ``HOST_RESERVE_BYTES``.
+        **model_settings: ``bytes_per_token``'s other arguments.
+
+    Returns:
+        tuple[int, bool]: the layers, and whether the step is predicted to fit.
+
+    Raises:
+        TypeError, ValueError, NotImplementedError: as ``plan_long_context``.
+    """
+    tokens = check_tile_tokens(tokens, "tokens", "the step's tokens")
+    gpu_bytes = memory_bytes(gpu_bytes, "gpu_bytes")
+    host_reserve_bytes = memory_bytes(host_reserve_bytes, "host_reserve_bytes")
+    if host_bytes is None:
+        host_bytes = host_memory_available()
+    room = math.inf if host_bytes is None else max(0.0, memory_bytes(host_bytes, "host_bytes") - host_reserve_bytes)
+    layers = dims(config).L
+    for k in range(layers + 1):
+        model = bytes_per_token(config, offload=k, **model_settings)
+        if tokens * model.host_per_token > room:
+            return max(0, k - 1), False
+        if model.peak(tokens) <= gpu_bytes:
+            return k, True
+    return layers, False
+
+
+#: The candidate tile sizes of ``plan_long_context``, largest first: a larger tile is fewer,
+#: longer launches; below 4096 tokens a tile's kernels are too short to keep the GPU busy.
+PLAN_TILES = tuple(2**k for k in range(20, 11, -1))
+
+
+@dataclass(frozen=True)
+class LongContextPlan:
+    """What ``plan_long_context`` chose for a step of ``tokens``; ``print`` it for a summary.
+
+    Attributes:
+        tiled_mlp, tiled_gdn (int or None): the tiles (None: untiled).
+        offload_layers (int): the decoder layers whose checkpoint inputs go to host memory.
+        fits (bool): whether the step is predicted to fit with these options.
+        model (MemoryModel): the prediction for them (``model.peak(tokens)`` against ``gpu_bytes``).
+        untiled_up_to (int): where the plan tiles, the longest step (a multiple of 1024 tokens)
+            predicted to fit untiled with the plan's offload; else 0.
+    """
+
+    tokens: int
+    tiled_mlp: int | None
+    tiled_gdn: int | None
+    offload_layers: int
+    fits: bool
+    model: MemoryModel
+    gpu_bytes: float
+    host_known: bool = True
+    expandable_segments: bool = False  # the CUDA caching allocator's setting when the plan was made
+    untiled_up_to: int = 0
+
+    def options(self) -> dict:
+        """The plan as ``apply_to_qwen3_5``'s long-context keyword arguments."""
+        return {"tiled_mlp": self.tiled_mlp, "tiled_gdn": self.tiled_gdn, "offload_checkpoints": self.offload_layers}
+
+    def __str__(self) -> str:
+        chosen = [f"checkpoints of {self.offload_layers} of {self.model.layers} decoder layers in host memory"
+                  if self.offload_layers else None,
+                  f"the MLP in tiles of {self.tiled_mlp:,} tokens" if self.tiled_mlp else None,
+                  f"the GatedDeltaNet in tiles of {self.tiled_gdn:,} tokens" if self.tiled_gdn else None,
+                  f"tiles only in steps over {self.untiled_up_to:,} tokens" if self.untiled_up_to else None]
+        nothing = "nothing (the step fits as it is)" if self.fits else "no option that helps"
+        chosen = "; ".join(c for c in chosen if c) or nothing
+        verdict = "fits" if self.fits else "does not fit even so"
+        host = f"{self.tokens * self.model.host_per_token / GiB:.1f} GiB" if self.host_known else "none (unknown)"
+        advice = ""
+        if (self.offload_layers or self.tiled_mlp or self.tiled_gdn) and not self.expandable_segments:
+            # without expandable segments, free memory stranded in smaller blocks has ended long steps early
+            advice = ("; the allocator's fragmentation may end such a step below the prediction: set "
+                      "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before CUDA starts")
+        return (f"planned for {self.tokens:,} tokens: {chosen}; predicted peak "
+                f"{self.model.peak(self.tokens) / GiB:.1f} of {self.gpu_bytes / GiB:.1f} GiB ({verdict}); "
+                f"host memory for checkpoints: {host}{advice}")
+
+
+def expandable_segments() -> bool:
+    """Whether ``PYTORCH_CUDA_ALLOC_CONF`` turns on the CUDA caching allocator's expandable segments,
+    which map freed blocks into one range instead of stranding them (fragmentation)."""
+    settings = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+    return "expandable_segments:true" in settings.split(",")
+
+
+def plan_long_context(config, tokens: int, *, gpu_bytes: float = H200_USABLE_BYTES, host_bytes: float | None = None,
+                      host_reserve_bytes: float | None = None, **model_settings) -> LongContextPlan:
+    """The cheapest long-context options under which a step of ``tokens`` is predicted to fit
+    ``gpu_bytes``, by ``bytes_per_token``.
+
+    Options are added cheapest first: none where the step fits as it is; else the checkpoint offload
+    of the fewest layers that fit; else also the tiled MLP, then the tiled GatedDeltaNet, at the
+    largest tile of ``PLAN_TILES`` below ``tokens`` that fits. Where nothing fits, the most frugal
+    plan, with ``fits=False``. A plan serves every shorter step too: a module tiles only a sequence
+    longer than its tile, and ``apply_to_qwen3_5`` runs steps up to ``untiled_up_to`` untiled.
+
+    Args:
+        config: a dense Qwen3.5 text config (``Qwen3_5TextConfig``, or a config holding one).
+        tokens (int): the longest step's tokens (one row).
+        gpu_bytes (float): the GPU memory the step may use. Default: ``H200_USABLE_BYTES``
+            (``usable_gpu_bytes(device)`` gives a device's).
+        host_bytes (float, optional): the host memory the offload may take. Default:
+            ``host_memory_available()``; where that is unknown, the plan does not offload.
+        host_reserve_bytes (float, optional): of ``host_bytes``, what the offload leaves free.
+            Default: ``default_host_reserve()``.
+        **model_settings: ``bytes_per_token``'s arguments (``lora_rank``, ``dtype_bytes``, ...).
+
+    Returns:
+        LongContextPlan: the options, and the prediction; ``options()`` gives them as
+        ``apply_to_qwen3_5``'s arguments.
+
+    Raises:
+        TypeError: ``config`` not a dense Qwen3.5 config, an argument not a number (``tokens`` not an int).
+        ValueError: ``tokens`` below 1, a number of bytes negative or not finite.
+        NotImplementedError: a MoE config.
+    """
+    tokens = check_tile_tokens(tokens, "tokens", "the longest step's tokens")
+    gpu_bytes = memory_bytes(gpu_bytes, "gpu_bytes")
+    if host_bytes is None:
+        host_bytes = host_memory_available()
+    host_known = host_bytes is not None
+    host_bytes = 0.0 if host_bytes is None else memory_bytes(host_bytes, "host_bytes")
+    if host_reserve_bytes is None:
+        host_reserve_bytes = default_host_reserve()
+    host_reserve_bytes = memory_bytes(host_reserve_bytes, "host_reserve_bytes")
+    tiles = [tile for tile in PLAN_TILES if tile < tokens]
+    attempts = [{}] + [{"tiled_mlp_tokens": tile} for tile in tiles]
+    if "linear_attention" in dims(config).layer_types:
+        attempts += [{"tiled_mlp_tokens": tile, "tiled_gdn_tokens": tile} for tile in tiles]
+    for settings in attempts:
+        layers, fits = plan_offload_layers(config, tokens, gpu_bytes=gpu_bytes, host_bytes=host_bytes,
+                                           host_reserve_bytes=host_reserve_bytes, **settings, **model_settings)
+        if fits:
+            break
+    model = bytes_per_token(config, offload=layers, **settings, **model_settings)
+    untiled_up_to = 0
+    if settings:  # the longest step that needs no tiles, by the same model and the same offload
+        untiled = bytes_per_token(config, offload=layers, **model_settings)
+        untiled_up_to = min(tokens - 1, untiled.longest_fit(gpu_bytes))
+    return LongContextPlan(tokens=tokens, tiled_mlp=settings.get("tiled_mlp_tokens"),
+                           tiled_gdn=settings.get("tiled_gdn_tokens"), offload_layers=layers, fits=fits, model=model,
+                           gpu_bytes=gpu_bytes, host_known=host_known, expandable_segments=expandable_segments(),
+                           untiled_up_to=untiled_up_to)
+
+
+def longest_planned_step(config, *, gpu_bytes: float = H200_USABLE_BYTES, host_bytes: float | None = None,
+                         host_reserve_bytes: float | None = None, multiple: int = 1024,
+                         **model_settings) -> LongContextPlan:
+    """The plan for the longest step, a multiple of ``multiple`` tokens, that ``plan_long_context``
+    predicts to fit: how long a step can train here.
+
+    Found by doubling, then bisection: a step shorter than one that fits is taken to fit too. The
+    host memory is read once, so that every candidate is planned against the same.
+
+    Args:
+        config, gpu_bytes, host_bytes, host_reserve_bytes, **model_settings: as for ``plan_long_context``.
+        multiple (int): the step's granularity in tokens. Default: 1024.
+
+    Returns:
+        LongContextPlan: that step's plan; where not even ``multiple`` tokens fit, theirs, with ``fits=False``.
+
+    Raises:
+        TypeError, ValueError, NotImplementedError: as ``plan_long_context``; ``multiple`` not an int
+            (``TypeError``) or below 1 (``ValueError``).
+    """
+    multiple = check_tile_tokens(multiple, "multiple", "the step's granularity in tokens")
+    gpu_bytes = memory_bytes(gpu_bytes, "gpu_bytes")
+    if host_bytes is None:
+        host_bytes = host_memory_available()
+    if host_bytes is not None:
+        host_bytes = memory_bytes(host_bytes, "host_bytes")
+    if host_reserve_bytes is not None:
+        host_reserve_bytes = memory_bytes(host_reserve_bytes, "host_reserve_bytes")
+    dims(config)
+    settings = dict(gpu_bytes=gpu_bytes, host_bytes=host_bytes, host_reserve_bytes=host_reserve_bytes, **model_settings)
+
+    def plan(units: int) -> LongContextPlan:  # a step of `units` multiples
+        return plan_long_context(config, units * multiple, **settings)
+
+    lo = max(1, bytes_per_token(config, **model_settings).longest_fit(gpu_bytes, multiple=multiple) // multiple)
+    if not plan(lo).fits:
+        return plan(1)
+    hi = 2 * lo
+    while plan(hi).fits:
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:  # lo fits, hi does not
+        middle = (lo + hi) // 2
+        lo, hi = (middle, hi) if plan(middle).fits else (lo, middle)
+    return plan(lo)
+
+
+def usable_gpu_bytes(device: torch.device | str | None = None) -> float:
+    """The memory a step on ``device`` may use, as ``plan_long_context`` counts it.
+
+    Args:
+        device (torch.device, str or int, optional): on a CUDA device, the memory still free plus what
+            this process's allocator holds already (the model's weights are in it, and the plan
+            counts them); elsewhere an H200's (a model on the CPU is planned for the reference GPU).
+            Default: the CPU.
+
+    Returns:
+        float: the bytes.
+
+    Raises:
+        TypeError: ``device`` not a device, a string or an index.
+        RuntimeError: an unknown device string (PyTorch's error).
+    """
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int, type(None))):
+        raise TypeError(f"device: expected a torch.device, a string such as 'cuda' or None, got {device!r}")
+    device = torch.device("cpu" if device is None else device)
+    if device.type != "cuda":
+        return float(H200_USABLE_BYTES)
+    free, _ = torch.cuda.mem_get_info(device)
+    return float(free + torch.cuda.memory_reserved(device))

@@ -1,0 +1,43 @@
+"""The patch as an ordered registry of features: each undoes what it did, and ``revert`` runs them reversed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .report import PatchReport
+
+
+@dataclass(frozen=True)
+class Options:
+    """``apply_to_qwen3_5``'s switches, checked: a flag each, the tile sizes (None: off) and the offload."""
+
+    rms_norm: bool = True
+    gated_norm: bool = True
+    lora: bool = True
+    in_proj: bool = True
+    flce: bool = True
+    conv: bool = True
+    swiglu: bool = True
+    experts: bool = True
+    varlen_attention: bool = True
+    tiled_mlp: int | None = None
+    tiled_gdn: int | None = None
+    offload_checkpoints: float | int = 0
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One thing the patch does to a model. ``flag`` names the option that turns it on (None: always,
+    or the feature reads its options itself); ``apply`` walks the model and records what it did in the
+    report; ``revert`` undoes it, whatever the options were."""
+
+    name: str
+    flag: str | None
+    apply: Callable[[torch.nn.Module, PatchReport, Options], None]
+    revert: Callable[[torch.nn.Module, PatchReport], None]
+
+    def wanted(self, options: Options) -> bool:
+        return self.flag is None or bool(getattr(options, self.flag))
