@@ -20,8 +20,8 @@ the solution below instead: that is how the notebooks run in CI, and the solutio
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import triton
