@@ -175,7 +175,7 @@ def _gated_rms_norm_bwd_kernel(
     """A program owns TILES_PER_PROGRAM consecutive tiles (unrolled, so the loads of one tile
     overlap the math of the previous) and, with a trainable weight, writes one fp32 partial
     row of dW. Many small programs rather than one persistent program per SM slot: as fast with
-    a trainable weight (notebook 02 compares the two from the tuning data), and no loop."""
+    a trainable weight, and no loop."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_COLS)
     col_mask = cols < n_cols
