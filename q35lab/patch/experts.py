@@ -7,7 +7,7 @@ import torch
 from ..hf.forwards import Forward
 from ..hf.modules import is_routed_experts
 from ..ops.routed_experts import routed_experts
-from .feature import Feature, Options
+from .feature import Feature
 from .markers import EXPERTS
 from .report import PatchReport, override_forward, restore_forward
 
@@ -44,15 +44,4 @@ def unpatch_experts(experts: torch.nn.Module, report: PatchReport) -> None:
     restore_forward(experts, EXPERTS, f"{type(experts).__name__} (routed experts)", report)
 
 
-def _apply(model: torch.nn.Module, report: PatchReport, options: Options) -> None:
-    for module in list(model.modules()):
-        if is_routed_experts(module):
-            patch_experts(module, report)
-
-
-def _revert(model: torch.nn.Module, report: PatchReport) -> None:
-    for module in list(model.modules()):
-        unpatch_experts(module, report)
-
-
-FEATURE = Feature("experts", "experts", _apply, _revert)
+FEATURE = Feature.per_module("experts", "experts", is_routed_experts, patch_experts, unpatch_experts)

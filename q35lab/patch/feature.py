@@ -41,3 +41,21 @@ class Feature:
 
     def wanted(self, options: Options) -> bool:
         return self.flag is None or bool(getattr(options, self.flag))
+
+    @classmethod
+    def per_module(cls, name: str, flag: str, matches: Callable[[torch.nn.Module], bool],
+                   patch: Callable[[torch.nn.Module, PatchReport], None],
+                   unpatch: Callable[[torch.nn.Module, PatchReport], None]) -> Feature:
+        """A feature that patches each module ``matches`` picks and, in revert, unpatches every module
+        (an unpatch leaves a module it did not patch as it is)."""
+
+        def apply(model: torch.nn.Module, report: PatchReport, options: Options) -> None:
+            for module in list(model.modules()):
+                if matches(module):
+                    patch(module, report)
+
+        def revert(model: torch.nn.Module, report: PatchReport) -> None:
+            for module in list(model.modules()):
+                unpatch(module, report)
+
+        return cls(name, flag, apply, revert)

@@ -16,7 +16,7 @@ from ..ops.fused_projections import (
     rows_of_one_buffer,
     unpack_rows,
 )
-from .feature import Feature, Options
+from .feature import Feature
 from .lora import lora_static_problem, unroute_lora
 from .markers import IN_PROJ, LORA_PATCHED
 from .report import PatchReport
@@ -166,15 +166,4 @@ def unfuse_in_proj(module: torch.nn.Module, report: PatchReport) -> None:
             report.reverted["GatedDeltaNet in_proj"] += 1
 
 
-def _apply(model: torch.nn.Module, report: PatchReport, options: Options) -> None:
-    for module in list(model.modules()):
-        if is_gated_delta_net(module):
-            fuse_in_proj(module, report)
-
-
-def _revert(model: torch.nn.Module, report: PatchReport) -> None:
-    for module in list(model.modules()):
-        unfuse_in_proj(module, report)
-
-
-FEATURE = Feature("in_proj", "in_proj", _apply, _revert)
+FEATURE = Feature.per_module("in_proj", "in_proj", is_gated_delta_net, fuse_in_proj, unfuse_in_proj)

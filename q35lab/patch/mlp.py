@@ -11,7 +11,7 @@ from ..ops._linear import compute_dtype
 from ..ops.fused_projections import Projection, unpack_rows
 from ..ops.swiglu import swiglu
 from ..ops.swiglu_down import swiglu_down
-from .feature import Feature, Options
+from .feature import Feature
 from .in_proj import ProjectionGroup, projection_now, projection_problem
 from .lora import unroute_lora
 from .markers import LORA_PATCHED, MLP
@@ -86,15 +86,4 @@ def computed_by_a_fused_mlp(child: torch.nn.Module, parent: torch.nn.Module) -> 
     return isinstance(marked(parent, MLP), ProjectionGroup) and child in (parent.gate_proj, parent.up_proj)
 
 
-def _apply(model: torch.nn.Module, report: PatchReport, options: Options) -> None:
-    for module in list(model.modules()):
-        if is_swiglu_mlp(module):
-            patch_mlp(module, report)
-
-
-def _revert(model: torch.nn.Module, report: PatchReport) -> None:
-    for module in list(model.modules()):
-        unpatch_mlp(module, report)
-
-
-FEATURE = Feature("swiglu", "swiglu", _apply, _revert)
+FEATURE = Feature.per_module("swiglu", "swiglu", is_swiglu_mlp, patch_mlp, unpatch_mlp)
