@@ -81,9 +81,4 @@ def unpatch_mlp(mlp: torch.nn.Module, report: PatchReport) -> None:
     restore_forward(mlp, MLP, f"{type(mlp).__name__} (SwiGLU)", report)
 
 
-def computed_by_a_fused_mlp(child: torch.nn.Module, parent: torch.nn.Module) -> bool:
-    """Whether ``child`` is the gate or up projection of an MLP whose fused node computes it."""
-    return isinstance(marked(parent, MLP), ProjectionGroup) and child in (parent.gate_proj, parent.up_proj)
-
-
 FEATURE = Feature.per_module("swiglu", "swiglu", is_swiglu_mlp, patch_mlp, unpatch_mlp)
