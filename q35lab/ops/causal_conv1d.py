@@ -747,10 +747,10 @@ def causal_conv1d(
         if cu_seqlens is not None:
             raise ValueError("initial_rows: not with cu_seqlens (a packed batch's sequences each start from zeros)")
         tensors["initial_rows"] = initial_rows
-    check_kernel_device(**tensors)
     if config is not None and not isinstance(config, LaunchConfig):
         raise TypeError(f"config: expected a LaunchConfig or None, got {type(config).__name__}")
     check_bool("return_final_rows", return_final_rows)
+    check_kernel_device(**tensors)
     seq_start = None if cu_seqlens is None else _sequence_starts(cu_seqlens, B, T)
     return CausalConv1dFunction.apply(x, weight, bias, seq_start, initial_rows, activation is not None, config,
                                       return_final_rows)

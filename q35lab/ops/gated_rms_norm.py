@@ -335,11 +335,11 @@ def gated_rms_norm(
     check_float_tensor("weight", weight)
     check_like("gate", gate, "x", x)
     check_weight("weight", weight, x.shape[-1])
-    check_kernel_device(x=x, gate=gate, weight=weight)
     eps = check_eps(eps)
     _check_rounding(rounding)
     if x.shape[-1] > MAX_WIDTH:
         raise ValueError(f"x: last dimension {x.shape[-1]} exceeds the supported width {MAX_WIDTH}")
+    check_kernel_device(x=x, gate=gate, weight=weight)
     return GatedRMSNormFunction.apply(x, gate, weight, eps, rounding)
 
 

@@ -507,14 +507,14 @@ def linear_cross_entropy(input, linear_weight, target, *, ignore_index: int = -1
     ignore_index = check_int("ignore_index", ignore_index, what="a target not counted")
     if chunk_size is not None:
         chunk_size = check_int("chunk_size", chunk_size, minimum=1, what="rows of logits held at once")
-    check_kernel_device(input=input, linear_weight=linear_weight, target=target)
-    vocab, hidden = linear_weight.shape
-    flat_target = target.reshape(-1).to(torch.int64).contiguous()
-    _check_target(flat_target, vocab, ignore_index)
     if not isinstance(weight_grad, str) or weight_grad not in WEIGHT_GRADS:
         raise ValueError(f"weight_grad: expected one of {WEIGHT_GRADS}, got {weight_grad!r}")
     if config is not None and not isinstance(config, LaunchConfig):
         raise TypeError(f"config: expected a linear_cross_entropy LaunchConfig, got {type(config).__name__}")
+    vocab, hidden = linear_weight.shape
+    flat_target = target.reshape(-1).to(torch.int64).contiguous()
+    _check_target(flat_target, vocab, ignore_index)
+    check_kernel_device(input=input, linear_weight=linear_weight, target=target)
     dtype = compute_dtype(input)
     # the row count is given, not inferred: reshape(-1, 0) cannot infer it when H = 0
     x2d = input.reshape(math.prod(input.shape[:-1]), hidden).to(dtype).contiguous()

@@ -339,10 +339,10 @@ def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) ->
     if x.dim() == 0:
         raise ValueError("x: expected at least one dimension (the hidden width), got a scalar")
     check_weight("weight", weight, x.shape[-1])
-    check_kernel_device(x=x, weight=weight)
     eps = check_eps(eps)
     if x.shape[-1] > MAX_WIDTH:
         raise ValueError(f"x: last dimension {x.shape[-1]} exceeds the supported width {MAX_WIDTH}")
+    check_kernel_device(x=x, weight=weight)
     return OffsetRMSNormFunction.apply(x, weight, eps)
 
 

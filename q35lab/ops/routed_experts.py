@@ -359,8 +359,6 @@ def _check(x, top_k_index, top_k_weights, gate_up_proj, down_proj) -> None:
     check_float_tensor("top_k_weights", top_k_weights)
     check_float_tensor("gate_up_proj", gate_up_proj)
     check_float_tensor("down_proj", down_proj)
-    check_kernel_device(x=x, top_k_index=top_k_index, top_k_weights=top_k_weights,
-                        gate_up_proj=gate_up_proj, down_proj=down_proj)
     if x.dim() != 2:
         raise ValueError(f"x: expected [tokens, hidden], got shape {tuple(x.shape)}")
     if top_k_weights.shape != top_k_index.shape or top_k_index.dim() != 2 or top_k_index.shape[0] != x.shape[0]:
@@ -375,6 +373,8 @@ def _check(x, top_k_index, top_k_weights, gate_up_proj, down_proj) -> None:
     if gate_up_proj.requires_grad or down_proj.requires_grad:
         raise ValueError("gate_up_proj, down_proj: expected frozen expert weights (requires_grad=False); "
                          "routed_experts makes no weight gradient (use transformers' experts to train them)")
+    check_kernel_device(x=x, top_k_index=top_k_index, top_k_weights=top_k_weights,
+                        gate_up_proj=gate_up_proj, down_proj=down_proj)
 
 
 @opaque_to_compile

@@ -447,9 +447,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, rounding: str = "hf",
     check_float_tensor("gate", gate)
     check_float_tensor("up", up)
     check_like("up", up, "gate", gate)
-    check_kernel_device(gate=gate, up=up)
     check_rounding(rounding)
-    return SwiGLUFunction.apply(gate, up, rounding, None, inplace_mode(inplace_backward))
+    inplace = inplace_mode(inplace_backward)
+    check_kernel_device(gate=gate, up=up)
+    return SwiGLUFunction.apply(gate, up, rounding, None, inplace)
 
 
 @opaque_to_compile
@@ -471,7 +472,6 @@ def swiglu_packed(gate_up: torch.Tensor, *, rounding: str = "hf", inplace_backwa
         ValueError: ``gate_up`` a scalar or of an odd width, an unknown ``rounding``.
     """
     check_float_tensor("gate_up", gate_up)
-    check_kernel_device(gate_up=gate_up)
     if gate_up.dim() == 0:
         raise ValueError("gate_up: expected at least one dimension (gate and up, 2I wide), got a scalar")
     if gate_up.shape[-1] % 2:
@@ -479,7 +479,9 @@ def swiglu_packed(gate_up: torch.Tensor, *, rounding: str = "hf", inplace_backwa
             f"gate_up: expected an even last dimension (gate and up halves), got {gate_up.shape[-1]}"
         )
     check_rounding(rounding)
-    return SwiGLUPackedFunction.apply(gate_up, rounding, None, inplace_mode(inplace_backward))
+    inplace = inplace_mode(inplace_backward)
+    check_kernel_device(gate_up=gate_up)
+    return SwiGLUPackedFunction.apply(gate_up, rounding, None, inplace)
 
 
 #: ``swiglu_down`` and its pieces live in ``ops/swiglu_down.py`` (which imports this module's kernels);

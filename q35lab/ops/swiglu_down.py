@@ -205,15 +205,16 @@ def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, lora
     check_float_tensor("up", up)
     check_like("up", up, "gate", gate)
     check_projection_args("gate", gate.shape[-1] if gate.dim() else "?", weight, lora_A, lora_B, bias)
+    scaling = check_scaling("scaling", scaling)
+    check_rounding(rounding)
+    inplace = inplace_mode(inplace_backward)
     check_kernel_device(gate=gate, up=up, weight=weight, **{name: t for name, t in
                                                            (("lora_A", lora_A), ("lora_B", lora_B), ("bias", bias))
                                                            if t is not None})
-    scaling = check_scaling("scaling", scaling)
-    check_rounding(rounding)
     adapter = lora_A is not None  # the bias joins the adapter's term, or else the base GEMM, as lora_linear adds it
     with torch.autocast(device_type=gate.device.type, enabled=False):
         # the first node reads W for h's gradient but returns none for it (the second node's dW): it gets W
         # detached, so that a gradient wanted for W alone does not run the first node's backward
         h, t = SwiGLUDownFunction.apply(gate, up, weight.detach(), lora_A, lora_B, bias if adapter else None, scaling,
-                                        rounding, None, inplace_mode(inplace_backward))
+                                        rounding, None, inplace)
         return DownProjectionFunction.apply(h, t, weight, None if adapter else bias, tuple(gate.shape), adapter)
