@@ -158,6 +158,7 @@ def _grouped_and_repeated(core, tokens, cu_seqlens=None, with_state=False, backw
 
 
 @pytest.mark.skipif(not _ON_GPU_WITH_FLA, reason="fla's kernels need a GPU and flash-linear-attention")
+@pytest.mark.timeout(400)  # a fresh machine: fla autotunes each shape and dtype, forward and backward, minutes
 @pytest.mark.parametrize("tokens, cu_seqlens, with_state", [(1, None, False), (63, None, True), (300, None, False),
                                                             (300, [0, 7, 70, 300], True)])
 def test_fla_chunked_core_with_grouped_key_heads_follows_the_core_with_repeated_ones(tokens, cu_seqlens, with_state):
@@ -186,3 +187,45 @@ def test_fla_recurrent_core_with_grouped_key_heads_follows_the_core_with_repeate
                                                              with_state=True, backward=False)
         for name, a, b, hi in zip(["out", "final state"], grouped, repeated, reference):
             assert_close_by_rule(name, a, b, hi)
+
+
+@pytest.mark.parametrize("switch_class", [hf_gdn.RecurrentSwitch, hf_gdn.DeltaRuleSwitch])
+def test_where_transformers_runs_its_pytorch_core_the_switch_repeats_the_skipped_heads(monkeypatch, switch_class):
+    """Under torch.export (and torch.compile with torch < 2.13, whose tracer answers is_exporting()
+    with True) transformers' wrapper calls its PyTorch core, which needs q and k repeated: the switch
+    repeats them there, in repeat_interleave's order, and hands them on untouched otherwise."""
+    seen = []
+
+    def core(query, key, value, g=None, beta=None, **kwargs):
+        seen.append((query, key))
+        return value, None
+
+    switch = switch_class.install(core)
+    q, k, v = torch.randn(1, 5, 2, 8), torch.randn(1, 5, 2, 8), torch.randn(1, 5, 6, 8)
+    for pytorch_core in (False, True):
+        monkeypatch.setattr(hf_gdn.versions, "hub_calls_pytorch_core", lambda _answer=pytorch_core: _answer)
+        out, _ = switch(q, k, v, g=None, beta=None)
+        assert out is v
+    (q1, k1), (q3, k3) = seen
+    assert q1 is q and k1 is k
+    assert torch.equal(q3, q.repeat_interleave(3, dim=2)) and torch.equal(k3, k.repeat_interleave(3, dim=2))
+    # a layer that repeated for itself reaches the core with equal heads: nothing to do
+    seen.clear()
+    switch(q3, k3, v, g=None, beta=None)
+    assert seen[0][0] is q3
+
+
+def test_skipping_the_repeat_installs_the_switches_around_both_cores(repeating_forward_with_fla):
+    model = causal_lm()
+    module = sys.modules[type(_gdns(model)[0]).__module__]
+    q35lab.apply_to_qwen3_5(model, conv=True)
+    assert isinstance(module.torch_chunk_gated_delta_rule, hf_gdn.DeltaRuleSwitch)
+    assert isinstance(module.torch_recurrent_gated_delta_rule, hf_gdn.RecurrentSwitch)
+
+
+def test_transformers_wrapper_decides_by_what_hub_calls_pytorch_core_reads(monkeypatch):
+    from transformers.utils import import_utils
+
+    for exporting in (False, True):
+        monkeypatch.setattr(import_utils, "is_torchdynamo_exporting", lambda _answer=exporting: _answer)
+        assert hf_gdn.versions.hub_calls_pytorch_core() is exporting

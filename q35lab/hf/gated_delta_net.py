@@ -77,9 +77,26 @@ class ConvSwitch:
         return (self.replacement() if self.active else self.original)(*args, **kwargs)
 
 
-class DeltaRuleSwitch(ConvSwitch):
+class RecurrentSwitch(ConvSwitch):
+    """Installed as a modeling module's delta-rule cores where q35lab skips the q/k head repeat
+    (``patch.conv.skip_key_head_repeat``): the repeat is made here instead whenever transformers'
+    wrapper is about to run its PyTorch core, which needs it (``versions.hub_calls_pytorch_core``).
+    fla's core reads grouped heads itself; layers that still repeat reach it with equal heads."""
+
+    def replacement(self):
+        return self.original
+
+    def __call__(self, query, key, value, *args, **kwargs):
+        group = value.shape[-2] // key.shape[-2]
+        if group > 1 and versions.hub_calls_pytorch_core():
+            query, key = query.repeat_interleave(group, dim=-2), key.repeat_interleave(group, dim=-2)
+        return super().__call__(query, key, value, *args, **kwargs)
+
+
+class DeltaRuleSwitch(RecurrentSwitch):
     """Installed as a modeling module's ``torch_chunk_gated_delta_rule``: per packed sequence while a
-    patched GatedDeltaNet runs (``_PerSequenceDeltaRule``), the original otherwise."""
+    patched GatedDeltaNet runs (``_PerSequenceDeltaRule``), the original otherwise; q and k repeated
+    for transformers' PyTorch core as ``RecurrentSwitch`` does."""
 
     fla_core = None  # whether the wrapped function resolves to fla's
 
@@ -122,8 +139,9 @@ class _PerSequenceDeltaRule:
         return torch.cat(outputs, dim=1), final
 
 
-#: The delta-rule switch installed in each modeling module, by module name.
+#: The delta-rule switches installed in each modeling module, by module name.
 DELTA_RULE_SWITCHES: dict = {}
+RECURRENT_SWITCHES: dict = {}
 
 
 @contextlib.contextmanager

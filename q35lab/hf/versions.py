@@ -94,6 +94,16 @@ def _closure(function) -> dict:
     return inspect.getclosurevars(function).nonlocals if inspect.isfunction(function) else {}
 
 
+def hub_calls_pytorch_core() -> bool:
+    """Whether transformers' hub wrapper, called now, runs its PyTorch function rather than the package's:
+    under ``torch.export``, which it reads from ``is_torchdynamo_exporting()``. With torch < 2.13 dynamo
+    answers True there under ``torch.compile`` too, so a compiled GatedDeltaNet runs the PyTorch core."""
+    from transformers.utils import import_utils
+
+    exporting = getattr(import_utils, "is_torchdynamo_exporting", None)
+    return bool(exporting is not None and exporting())
+
+
 # ---- The GatedDeltaNet's forward --------------------------------------------------------------
 
 @functools.cache

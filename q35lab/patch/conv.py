@@ -13,9 +13,11 @@ from ..hf.gated_delta_net import (
     CONV,
     CONV_SWITCHES,
     DELTA_RULE_SWITCHES,
+    RECURRENT_SWITCHES,
     CausalConv,
     ConvSwitch,
     DeltaRuleSwitch,
+    RecurrentSwitch,
     conv_problem,
     conv_style,
     core_groups_key_heads,
@@ -74,7 +76,9 @@ def unpatch_conv(gdn: torch.nn.Module, report: PatchReport) -> None:
 def skip_key_head_repeat(gdn: torch.nn.Module, report: PatchReport) -> None:
     """The forward repeats by ``num_v_heads // num_k_heads``: with ``num_k_heads`` set to the value
     heads on this module, the factor is 1 and q, k reach fla's core as the projections made them.
-    The forward reads ``num_k_heads`` for nothing else (its dimensions are set at construction)."""
+    The forward reads ``num_k_heads`` for nothing else (its dimensions are set at construction).
+    Where transformers' wrapper runs its PyTorch core instead (under export, and compile with
+    torch < 2.13), the switches around both cores repeat q and k there."""
     if marked(gdn, KEY_HEADS) is not None:
         report.already_patched += 1
     elif not repeats_key_heads(gdn):
@@ -83,6 +87,9 @@ def skip_key_head_repeat(gdn: torch.nn.Module, report: PatchReport) -> None:
         report.left_alone[f"{type(gdn).__name__} q/k head repeat: transformers calls its PyTorch core, not "
                           "flash-linear-attention's, which alone reads grouped key heads"] += 1
     else:
+        module = sys.modules[type(gdn).__module__]
+        switch_in(module, versions.CHUNK_CORE, DELTA_RULE_SWITCHES, DeltaRuleSwitch)
+        switch_in(module, versions.RECURRENT_CORE, RECURRENT_SWITCHES, RecurrentSwitch)
         object.__setattr__(gdn, KEY_HEADS, gdn.num_k_heads)
         gdn.num_k_heads = gdn.num_v_heads
         report.replaced[f"{type(gdn).__name__} q/k head repeat (skipped: fla's core groups the key heads)"] += 1
