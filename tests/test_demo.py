@@ -13,7 +13,8 @@ from q35lab.__main__ import main
 def test_demo_trains_both_ways_and_prints_a_short_summary_that_says_they_agree(capsys):
     assert main(["demo", "--steps", "2"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert len(out) <= 25, "\n".join(out)  # a summary, not a log
+    # a summary, not a log: the report, the curves and (on a GPU) the 9B-sized step's four lines
+    assert len(out) <= 30, "\n".join(out)
     assert any("× Qwen3_5RMSNorm" in line for line in out)  # the patch's report
     rows = [line.split() for line in out if line[:4].strip().isdigit()]
     assert [int(r[0]) for r in rows] == [1, 2]

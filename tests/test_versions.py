@@ -138,7 +138,7 @@ def test_checkpointing_is_enabled_without_a_deprecation_and_with_its_arguments()
     function = vars(layers[0])["_gradient_checkpointing_func"]
     assert function.keywords == {"use_reentrant": False}
     model.train()
-    ids = torch.randint(0, model.config.vocab_size, (1, 7))
+    ids = torch.randint(0, model.config.vocab_size, (1, 7), device=model.device)
     model(input_ids=ids, labels=ids).loss.backward()  # runs through the checkpoint
 
 
