@@ -88,7 +88,8 @@ step() {  # step NAME COMMAND...: run with a time limit (TIMEOUT_<name> or STEP_
     --limit ${TIMEOUT_testfile:-300} ${TESTS:-}
 for op in $OPS; do
   if [[ $STEPS == *tune* && -f q35lab/bench/tune/$op.py ]]; then
-    step tune_$op python3 -m q35lab tune $op --out data/bench/$gpu/${op}_tuning.csv
+    # --shipped: into q35lab/ops/tuned.json, which pack returns for a commit (not the user cache)
+    step tune_$op python3 -m q35lab tune $op --shipped --out data/bench/$gpu/${op}_tuning.csv
   fi
 done
 # where the whole-layer tiled GatedDeltaNet's cost goes: untiled and tiled steps of a 4-layer 9B, profiled

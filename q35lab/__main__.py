@@ -16,7 +16,10 @@
                             apply_to_qwen3_5(model, long_context=...) call that turns it on. Says
                             which GPU and host memory it assumed where no option gave them
   tune OP [OPTIONS...]      on a GPU, time OP's launch configurations and record the fastest for
-                            this GPU in q35lab/ops/tuned.json (python -m q35lab tune OP --help)
+                            this GPU in the user's file (~/.cache/q35lab/tuned.json, or
+                            $Q35LAB_TUNED_FILE), whose entries override the shipped
+                            q35lab/ops/tuned.json; --shipped writes that one instead
+                            (python -m q35lab tune OP --help)
 
 The results folder is --out / --data when given, else $Q35LAB_DATA, else the checkout's data/
 (or ./data when q35lab is installed rather than run from a checkout).
@@ -177,7 +180,8 @@ def _parser(known: list[str]) -> argparse.ArgumentParser:
 
     tune = sub.add_parser("tune", help="time an op's launch configurations on this GPU and record the fastest",
                           description="Time an op's launch configurations on this GPU (a CUDA GPU: compiled "
-                                      "kernels) and record the fastest in q35lab/ops/tuned.json.")
+                                      "kernels) and record the fastest in the user's tuned.json (--shipped: the "
+                                      "package's q35lab/ops/tuned.json); it prints where.")
     tune.add_argument("op", type=_op_name(list(TUNABLE)), metavar="OP", help=f"the op to tune: {', '.join(TUNABLE)}")
     tune.add_argument("options", nargs=argparse.REMAINDER,
                       help="the op's own options (python -m q35lab tune OP --help)")

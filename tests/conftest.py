@@ -56,3 +56,27 @@ def pytest_runtest_makereport(item, call):
             if key == "seed":
                 seed = f"(torch seed {value})"
                 call.excinfo.value.args = (*call.excinfo.value.args, seed) if call.excinfo.value.args else (seed,)
+
+
+@pytest.fixture
+def tuned_tables(monkeypatch, tmp_path):
+    """``ops._tuned`` on a pretend GPU, reading a copy of the shipped table (as ``TUNED_FILE``) and a
+    user file (``$Q35LAB_TUNED_FILE``, not made yet) under tmp_path: the package's tuned.json and the
+    user's own are neither read nor written. Yields (shipped copy, user file, the GPU's slug)."""
+    import shutil
+
+    from q35lab.ops import _tuned
+
+    shipped, user = tmp_path / "shipped" / "tuned.json", tmp_path / "cache" / "tuned.json"
+    shipped.parent.mkdir()
+    shutil.copy(_tuned.TUNED_FILE, shipped)
+    name = f"NVIDIA Pretend {random.randrange(10**6)}"
+    monkeypatch.setattr(_tuned, "TUNED_FILE", shipped)
+    monkeypatch.setenv("Q35LAB_TUNED_FILE", str(user))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: name)
+    _tuned._table.cache_clear()
+    _tuned.tuned_fields.cache_clear()
+    yield shipped, user, _tuned.gpu_slug(name)
+    _tuned._table.cache_clear()
+    _tuned.tuned_fields.cache_clear()

@@ -2,6 +2,7 @@
 join of a call's rows; and the conv tuning's choice (python -m q35lab tune)."""
 
 import importlib.util
+import json
 import random
 import sys
 import zipfile
@@ -158,3 +159,30 @@ def test_tune_names_the_ops_it_tunes(capsys):
     assert set(tune.TUNABLE) <= set(bench.discover())  # each one an op of the harness
     with pytest.raises(ValueError, match="op: expected one of causal_conv1d"):
         tune.main("swiglu", [])
+
+
+@pytest.mark.parametrize("shipped", [False, True])
+def test_tune_records_in_the_user_file_or_with_shipped_the_package_file_and_says_where(
+        tuned_tables, shipped, capsys, tmp_path):
+    """python -m q35lab tune OP [--shipped]: the options every tuning takes, and where its result goes."""
+    from q35lab.bench import tune
+    from q35lab.bench.tune import gated_rms_norm as module
+
+    package, user, gpu = tuned_tables
+    before = package.read_text()
+    argv = ["--out", str(tmp_path / "tuning.csv")] + ["--shipped"] * shipped
+    args = tune.parse(tune.parser("gated_rms_norm", module.__doc__), argv, "gated_rms_norm")
+    fields = {"fwd_block_rows": random.choice([8, 16, 32, 64]), "fwd_warps": random.choice([1, 2, 4, 8])}
+    tune.record(args, "gated_rms_norm", 128, fields)
+    written = package if shipped else user
+    assert json.loads(written.read_text())[gpu] == {"gated_rms_norm": {"128": fields}}
+    assert not user.exists() if shipped else package.read_text() == before
+    assert f"saved {fields} in {written}" in capsys.readouterr().out
+
+
+def test_the_gpu_harness_tunes_into_the_shipped_file_it_packs():
+    """dev/gpu_run.sh packs q35lab/ops/tuned.json: its tune step must write that file."""
+    script = (ROOT / "dev" / "gpu_run.sh").read_text()
+    tunes = [line for line in script.splitlines() if "-m q35lab tune" in line]
+    assert "q35lab/ops/tuned.json" in script and tunes
+    assert all("--shipped" in line for line in tunes), tunes

@@ -1,4 +1,4 @@
-"""Tune the causal conv1d kernels on this GPU and record the best in q35lab/ops/tuned.json.
+"""Tune the causal conv1d kernels on this GPU and record the best (``bench.tune.record``).
 
 The GatedDeltaNet's convolution at the real widths (C = 8192 for Qwen3.5-9B and the 35B-A3B,
 10240 for the 27B; K = 4 taps; SiLU; bf16; T = 32k tokens), three passes timed apart with
@@ -14,7 +14,7 @@ as ``config=`` (the other fields from the heuristic default):
 Each pass's fastest configuration is saved for this GPU under the key ``"CxK"``.
 Candidates that spill registers are measured like the others (they lose).
 
-    python -m q35lab tune causal_conv1d [--out CSV] [--T T] [--channels C ...]
+    python -m q35lab tune causal_conv1d [--out CSV] [--shipped] [--T T] [--channels C ...]
 """
 
 import ast
@@ -25,10 +25,9 @@ import pandas as pd
 import torch
 from triton.testing import do_bench
 
-from ...ops import _tuned
 from ...ops import causal_conv1d as op
 from .. import core
-from . import parse
+from . import parse, record
 from . import parser as tuning_parser
 
 KERNEL_SIZE = 4
@@ -97,10 +96,9 @@ def main(argv=None):
         frames.append(at_width)
         pd.concat(frames).to_csv(args.out, index=False, float_format="%.5g")
         best = best_fields(at_width)
-        _tuned.save("causal_conv1d", f"{C}x{KERNEL_SIZE}", best, torch.cuda.get_device_name())
+        record(args, "causal_conv1d", f"{C}x{KERNEL_SIZE}", best)
         top = at_width.loc[at_width.groupby("pass_").ms.idxmin()].set_index("pass_")
         top["default ms"] = at_width[at_width.default].groupby("pass_").ms.min()
-        print(f"C = {C}: saved {best}")
         print(top[["config", "ms", "default ms", "pct_copy"]].to_string())
 
 

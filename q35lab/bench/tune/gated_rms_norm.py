@@ -1,4 +1,4 @@
-"""Tune the gated RMSNorm kernels on this GPU and record the best in q35lab/ops/tuned.json.
+"""Tune the gated RMSNorm kernels on this GPU and record the best (``bench.tune.record``).
 
 Forward, backward with dW and backward with a frozen weight are timed separately with
 ``triton.testing.do_bench`` (median, L2 flushed) at width 128, rows = 32·T, bf16, "hf"
@@ -6,7 +6,7 @@ rounding, each candidate passed to the host functions as ``config=`` (the other 
 heuristic default); the configuration with the least summed time over the sizes is saved for
 this GPU.
 
-    python -m q35lab tune gated_rms_norm [--out CSV] [--T T ...]
+    python -m q35lab tune gated_rms_norm [--out CSV] [--shipped] [--T T ...]
 """
 
 import ast
@@ -17,10 +17,9 @@ import pandas as pd
 import torch
 from triton.testing import do_bench
 
-from ...ops import _tuned
 from ...ops import gated_rms_norm as op
 from .. import core
-from . import parse
+from . import parse, record
 from . import parser as tuning_parser
 
 WIDTH, HEADS = 128, 32
@@ -64,8 +63,8 @@ def main(argv=None):
     for pass_ in candidates:
         total = df[df.pass_ == pass_].groupby("config").ms.sum()
         best.update(ast.literal_eval(total.idxmin()))
-    _tuned.save("gated_rms_norm", WIDTH, best, torch.cuda.get_device_name())
-    print(f"copy {copy:.0f} GB/s; saved {best}")
+    print(f"copy {copy:.0f} GB/s")
+    record(args, "gated_rms_norm", WIDTH, best)
     top = df.loc[df.groupby(["T", "pass_"]).ms.idxmin()]
     print(top[["T", "pass_", "config", "ms", "pct_copy"]].to_string(index=False))
 

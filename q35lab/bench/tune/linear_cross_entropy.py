@@ -6,12 +6,12 @@ A trainable head's gradient can also be made block by block of the vocabulary in
 (``weight_grad="recompute"``: a fourth matmul, but no fp32 [V, H] buffer). For the trainable head
 (both ways) and the frozen head, each chunk size is measured (kernel time from the profiler,
 extra peak memory) at hidden 4096, vocabulary 248,320, bf16, each passed as ``config=`` (the
-other fields from this GPU's ``launch_config``). Recorded in q35lab/ops/tuned.json
-for this GPU: per head, the smallest chunk within 2% of the fastest; for the trainable head
+other fields from this GPU's ``launch_config``). Recorded for this GPU (the user's tuned.json,
+or with --shipped q35lab/ops/tuned.json): per head, the smallest chunk within 2% of the fastest; for the trainable head
 "recompute" if its best time is within 5% of "accumulate"'s (then memory decides), else
 "accumulate".
 
-    python -m q35lab tune linear_cross_entropy [--out CSV] [--T T] [--chunks ROWS ...]
+    python -m q35lab tune linear_cross_entropy [--out CSV] [--shipped] [--T T] [--chunks ROWS ...]
 """
 
 import dataclasses
@@ -20,10 +20,9 @@ import pandas as pd
 import torch
 
 from ... import shapes
-from ...ops import _tuned
 from ...ops import linear_cross_entropy as op
 from .. import core
-from . import parse
+from . import parse, record
 from . import parser as tuning_parser
 
 #: A chunk within this factor of the fastest counts as fast: among those the smallest is kept.
@@ -78,10 +77,11 @@ def main(argv=None):
         best["weight_grad"] = mode
         best["chunk_rows_trainable"] = trainable[mode][0]
     table.to_csv(args.out, index=False, float_format="%.5g")
+    print(f"bf16 matmul {matmul_tflops:.0f} TFLOP/s; one logits matmul at T={args.T}: {one_matmul_ms:.1f} ms")
     if best:
-        _tuned.save("linear_cross_entropy", f"{vocab}x{hidden}", best, torch.cuda.get_device_name())
-    print(f"bf16 matmul {matmul_tflops:.0f} TFLOP/s; one logits matmul at T={args.T}: {one_matmul_ms:.1f} ms; "
-          f"saved {best}")
+        record(args, "linear_cross_entropy", f"{vocab}x{hidden}", best)
+    else:
+        print("no candidate finished: nothing saved")
     columns = ["head", "weight_grad", "chunk_rows", "status", "kernel_ms", "matmuls", "extra_peak_mb"]
     print(table[columns].to_string(index=False))
 
