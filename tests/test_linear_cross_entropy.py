@@ -160,7 +160,30 @@ def test_a_tuned_chunk_size_is_used_for_its_shape_and_head_mode(monkeypatch):
     assert default_chunk_size(100_000, 248_320, torch.bfloat16, 4096, head_trainable=True) == 2048
     assert default_chunk_size(100_000, 248_320, torch.bfloat16, 4096, head_trainable=False) == 1024
     assert default_chunk_size(700, 248_320, torch.bfloat16, 4096) == 700  # never more rows than there are
-    assert default_chunk_size(100_000, 248_320, torch.bfloat16, 5120) == 512  # another shape: the memory rule
+    # another shape: the memory rule (a frozen head's; a trained one's grows on a GPU, tested below)
+    assert default_chunk_size(100_000, 248_320, torch.bfloat16, 5120, head_trainable=False) == 512
+
+
+def test_a_trained_heads_chunk_grows_with_the_gpus_flops_per_byte(monkeypatch):
+    """Each chunk adds its dW into a [V, H] fp32 accumulator (8 bytes an element) against 2·C
+    FLOPs an element: C ≈ 8 × FLOPs per byte, a power of two, between the frozen rows and H."""
+    import types
+
+    from q35lab.ops import _launch
+
+    for balance, hidden, rows in [(319.0, 4096, 2048), (223.0, 4096, 2048), (153.0, 4096, 1024), (40.0, 4096, 512),
+                                  (319.0, 1000, 512), (319.0, 1024, 1024), (None, 4096, 512), (319.0, None, 512)]:
+        assert lce_op._trainable_rows(512, hidden, balance) == rows, (balance, hidden)
+    hopper = types.SimpleNamespace(multi_processor_count=132, clock_rate=1_980_000, major=9, minor=0,
+                                   memory_clock_rate=2_619_000, memory_bus_width=5120)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: hopper)
+    _launch._machine_balance.cache_clear()
+    try:
+        flops = 132 * 1.98e9 * 4096
+        assert _launch.machine_balance(torch.device("cuda", 0)) == pytest.approx(flops / (2 * 2.619e9 * 5120 / 8))
+    finally:
+        _launch._machine_balance.cache_clear()
+    assert _launch.machine_balance(torch.device("cpu")) is None
 
 
 @pytest.mark.parametrize("head_trainable", [True, False])

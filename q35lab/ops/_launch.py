@@ -21,6 +21,29 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+#: Dense 16-bit tensor-core FLOPs per multiprocessor per clock, fp32 accumulation, by compute
+#: capability (the architectures' published peaks); another architecture is taken as an A100's.
+_MMA_FLOPS_PER_SM_CLOCK = {(8, 0): 2048, (8, 6): 1024, (8, 7): 1024, (8, 9): 1024, (9, 0): 4096,
+                           (10, 0): 8192, (12, 0): 1024}
+
+
+@functools.cache
+def _machine_balance(device_index: int) -> float:
+    props = torch.cuda.get_device_properties(device_index)
+    flops = props.multi_processor_count * props.clock_rate * 1e3 * _MMA_FLOPS_PER_SM_CLOCK.get(
+        (props.major, props.minor), 2048)
+    bytes_per_s = 2 * props.memory_clock_rate * 1e3 * props.memory_bus_width / 8  # double data rate
+    return flops / bytes_per_s
+
+
+def machine_balance(device: torch.device) -> float | None:
+    """FLOPs of 16-bit matmul per byte of memory traffic at ``device``'s peaks: the work per byte
+    moved that keeps its tensor cores busy. None off a GPU."""
+    if device.type != "cuda":
+        return None
+    return _machine_balance(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def persistent_programs(device: torch.device, per_sm: int) -> int:
     """Programs of a persistent grid: ``per_sm`` per multiprocessor of ``device``."""
     if device.type != "cuda":

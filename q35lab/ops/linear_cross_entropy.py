@@ -39,9 +39,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import runtime
 from ._autograd import first_order_only, graph_is_kept
 from ._checks import check_float_tensor, check_int, check_kernel_device
 from ._compile import opaque_to_compile
+from ._launch import machine_balance
 from ._linear import compute_dtype
 from ._tuned import tuned_config
 
@@ -108,22 +110,37 @@ def launch_config(vocab: int, hidden: int | None, dtype: torch.dtype) -> LaunchC
     """This GPU's tuned configuration for ``vocab × hidden`` (tuned.json, written by
     ``python -m q35lab tune linear_cross_entropy``), else ``_default_config``. Not cached: it is one
     dictionary lookup a loss call, and the defaults read ``CHUNK_BYTES`` when called."""
-    default = _default_config(vocab, dtype)
+    default = _default_config(vocab, dtype, hidden)
     return default if hidden is None else tuned_config("linear_cross_entropy", f"{vocab}x{hidden}", default)
 
 
-def _default_config(vocab: int, dtype: torch.dtype) -> LaunchConfig:
+def _default_config(vocab: int, dtype: torch.dtype, hidden: int | None = None) -> LaunchConfig:
     """As many rows per chunk as fit ``CHUNK_BYTES`` of logits (a power of two, for the GEMMs);
-    CE blocks of up to 4096 columns at 8 warps (4 below that)."""
+    more for a trained head (``_trainable_rows``); CE blocks of up to 4096 columns at 8 warps (4
+    below that)."""
     vocab = max(vocab, 1)  # a head of no classes: any positive numbers do
     rows = max(1, CHUNK_BYTES // (vocab * torch.empty((), dtype=dtype).element_size()))
     rows = 1 << (rows.bit_length() - 1)
     block = min(4096, triton.next_power_of_2(min(vocab, SPLIT_COLS)))
     return LaunchConfig(
-        chunk_rows_trainable=rows, chunk_rows_frozen=rows, weight_grad="accumulate",
+        chunk_rows_trainable=_trainable_rows(rows, hidden, machine_balance(runtime.DEVICE)),
+        chunk_rows_frozen=rows, weight_grad="accumulate",
         split_cols=SPLIT_COLS, ce_block=block, ce_warps=8 if block >= 4096 else 4,
         grad_block_rows=16, grad_block_cols=256, grad_warps=4, vocab_block_bytes=CHUNK_BYTES,
     )
+
+
+def _trainable_rows(rows: int, hidden: int | None, balance: float | None) -> int:
+    """Rows per chunk for a trained head. Each chunk's dW is added into the ``[V, H]`` fp32
+    accumulator, 8 bytes read and written per element against the chunk GEMM's ``2·C`` FLOPs per
+    element: that traffic costs ``4·balance / C`` of the GEMM's time (``machine_balance``), so
+    ``C ≈ 8·balance`` holds it near half. At most ``H`` rows: a chunk's logits stay within half
+    the accumulator's bytes. Off a GPU (no balance), or for an unknown width, the frozen head's."""
+    if balance is None or hidden is None:
+        return rows
+    wanted = 8 * balance
+    nearest = 1 << round(math.log2(wanted))
+    return max(rows, min(nearest, 1 << (max(hidden, 1).bit_length() - 1)))
 
 
 @triton.jit
@@ -275,7 +292,8 @@ def _softmax_grad_kernel(
 def default_chunk_size(n_rows: int, vocab: int, dtype: torch.dtype, hidden: int | None = None,
                        head_trainable: bool = True) -> int:
     """Rows per chunk: ``launch_config(vocab, hidden, dtype).chunk_rows(n_rows, head_trainable)``
-    (this GPU's tuned choice where recorded, else as many as fit ``CHUNK_BYTES`` of logits)."""
+    (this GPU's tuned choice where recorded, else as many as fit ``CHUNK_BYTES`` of logits, more
+    for a trained head)."""
     return launch_config(vocab, hidden, dtype).chunk_rows(n_rows, head_trainable)
 
 
