@@ -513,26 +513,6 @@ def test_conv_same_loss_and_gradients_through_the_kernel_and_an_unpatched_model_
     assert len(calls) == 1
 
 
-def test_conv_on_a_layer_that_keeps_its_conv_function_as_an_attribute():
-    """transformers < 5.20 keeps causal_conv1d_fn on each GatedDeltaNet (None without the CUDA
-    package) and calls it as fn(x=[B, C, T], weight=, bias=, activation=, seq_idx=None)."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5
-
-    model = causal_lm()
-    gdn = _gdn_layers(model)[0]
-    gdn.causal_conv1d_fn = None
-    q35lab.apply_to_qwen3_5(model, rms_norm=False, gated_norm=False, flce=False, swiglu=False, in_proj=False,
-                            varlen_attention=False)
-    assert "forward" not in vars(gdn) and callable(gdn.causal_conv1d_fn)
-    x = torch.randn(2, gdn.conv1d.weight.shape[0], 7, device=device())  # [B, C, T]
-    weight, bias = gdn.conv1d.weight.squeeze(1).detach(), gdn.conv1d.bias
-    ours = gdn.causal_conv1d_fn(x=x, weight=weight, bias=bias, activation=gdn.activation, seq_idx=None)
-    reference = getattr(modeling_qwen3_5.causal_conv1d_fn, "original", modeling_qwen3_5.causal_conv1d_fn)
-    torch.testing.assert_close(ours, reference(x, weight, bias, activation=gdn.activation), rtol=1e-5, atol=1e-5)
-    q35lab.revert(model)
-    assert gdn.causal_conv1d_fn is None
-
-
 def test_conv_of_a_packed_batch_does_not_leak_across_sequences():
     from q35lab.hf.gated_delta_net import CausalConv
 

@@ -147,9 +147,9 @@ RECURRENT_SWITCHES: dict = {}
 @contextlib.contextmanager
 def switched_to_q35lab(gdn: torch.nn.Module):
     """Within the block, this layer's modeling module calls q35lab's conv and per-sequence delta rule
-    if the layer's conv is patched through the module's switches; otherwise nothing changes."""
+    if q35lab patched the layer's conv; otherwise nothing changes."""
     switches = []
-    if marked(gdn, CONV) not in (None, "attribute"):  # patched through its module's switches
+    if marked(gdn, CONV) is not None:
         name = type(gdn).__module__
         switches = [s for s in (CONV_SWITCHES.get(name), DELTA_RULE_SWITCHES.get(name)) if s is not None]
     for switch in switches:
@@ -161,21 +161,10 @@ def switched_to_q35lab(gdn: torch.nn.Module):
             switch.active -= 1
 
 
-def conv_style(gdn: torch.nn.Module) -> str | None:
-    """"attribute", "module" or None: where this GatedDeltaNet's convolution function lives."""
-    if versions.keeps_kernels_on_the_layer(gdn):
-        return "attribute"
-    if versions.module_function(versions.modeling_module(gdn), versions.CONV) is not None:
-        return "module"
-    return None
-
-
 def conv_problem(gdn: torch.nn.Module) -> str | None:
-    style = conv_style(gdn)
-    if style is None:
+    if versions.module_function(versions.modeling_module(gdn), versions.CONV) is None:
         return "no causal_conv1d_fn in this transformers version"
-    if (versions.layer_conv(gdn) is not None if style == "attribute"
-            else package_installed("causal_conv1d")):
+    if package_installed("causal_conv1d"):
         return "the causal-conv1d CUDA package runs it"
     return None
 
@@ -256,21 +245,15 @@ def modeling_module(gdn: torch.nn.Module):
 
 def conv_function(gdn: torch.nn.Module):
     """The causal conv1d this GatedDeltaNet's forward calls, ``fn(x [B, C, T], weight [C, K], bias,
-    activation=..., **kwargs)``: q35lab's when patched, else the layer's or its module's; or None."""
+    activation=..., **kwargs)``: q35lab's when patched, else its modeling module's; or None."""
     if marked(gdn, CONV) is not None:
         return CausalConv()
-    attribute = versions.layer_conv(gdn)
-    if callable(attribute):
-        return attribute
     return versions.module_function(modeling_module(gdn), versions.CONV)
 
 
 def core_function(gdn: torch.nn.Module):
-    """The chunked delta-rule core this GatedDeltaNet's forward calls: the layer's attribute, else its
-    modeling module's ``torch_chunk_gated_delta_rule`` (looked up at each call, as the forward does)."""
-    attribute = versions.layer_core(gdn)
-    if callable(attribute):
-        return attribute
+    """The chunked delta-rule core this GatedDeltaNet's forward calls: its modeling module's
+    ``torch_chunk_gated_delta_rule`` (looked up at each call, as the forward does), or None."""
     return versions.module_function(modeling_module(gdn), versions.CHUNK_CORE)
 
 
@@ -283,7 +266,7 @@ def gated_delta_net_problem(gdn: torch.nn.Module) -> str | None:
     if not is_gated_delta_net(gdn):
         return f"{type(gdn).__name__} is not a transformers GatedDeltaNet"
     if conv_function(gdn) is None:
-        return "no causal_conv1d_fn in this transformers version (the layer's own conv module is not tiled)"
+        return "no causal_conv1d_fn in this transformers version"
     if core_function(gdn) is None:
         return "no chunk_gated_delta_rule in this transformers version"
     return None

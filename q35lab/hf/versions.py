@@ -54,21 +54,6 @@ CHUNK_CORE = "torch_chunk_gated_delta_rule"
 RECURRENT_CORE = "torch_recurrent_gated_delta_rule"
 
 
-def keeps_kernels_on_the_layer(gdn) -> bool:
-    """Whether the GatedDeltaNet keeps its conv and delta rule as attributes (transformers < 5.15)."""
-    return "causal_conv1d_fn" in vars(gdn)
-
-
-def layer_conv(gdn):
-    """The conv the GatedDeltaNet keeps as an attribute (transformers < 5.15), else None."""
-    return vars(gdn).get("causal_conv1d_fn")
-
-
-def layer_core(gdn):
-    """The chunked delta rule the GatedDeltaNet keeps as an attribute (transformers < 5.15), else None."""
-    return vars(gdn).get("chunk_gated_delta_rule")
-
-
 def modeling_module(module) -> types.ModuleType:
     """The modeling module that defines ``module``'s class (where its functions are looked up)."""
     return sys.modules[type(module).__module__]

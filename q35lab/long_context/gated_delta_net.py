@@ -54,8 +54,8 @@ class _GatedDeltaNetTile:
         o, S'        = core(q, k, v, g, beta, initial_state=S, output_final_state=True)
         y            = out_proj(norm(o, z))
 
-    handing on the last K−1 rows of ``[conv rows | qkv]``: the conv's input, not x, so the in_proj
-    (and its LoRA dropout) runs once per row. The first tile starts from zeros, as the module does."""
+    handing on the last K−1 rows of the conv's input, not of x, so that the in_proj (and its LoRA dropout) runs once
+    per row. The first tile starts from zeros, as the module does."""
 
     def __init__(self, gdn: torch.nn.Module, attention_mask: torch.Tensor | None, kwargs: dict):
         self.gdn, self.mask, self.kwargs = gdn, attention_mask, kwargs
@@ -117,9 +117,7 @@ def _apply_mask_to_padding_states(hidden_states: torch.Tensor, attention_mask: t
 
 
 def _check_tiled_call(x, tile_tokens, attention_mask, kwargs: dict, hidden: int, what: str) -> int:
-    """The tile size, after checking a tiled GatedDeltaNet's (or its layer's) call: ``x`` [B, T,
-    hidden], a 2-D padding mask of [B, T] or None, no packed sequences (``ValueError`` naming the
-    argument)."""
+    """The tile size, after checking ``x`` [B, T, hidden], a [B, T] padding mask or None, no packed sequences."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 3 or x.shape[-1] != hidden:
@@ -141,19 +139,13 @@ def _check_tiled_call(x, tile_tokens, attention_mask, kwargs: dict, hidden: int,
 def tiled_gated_delta_net(gdn: torch.nn.Module, x: torch.Tensor, tile_tokens: int, *,
                           attention_mask: torch.Tensor | None = None, preserve_rng_state: bool = True,
                           **kwargs) -> torch.Tensor:
-    """A GatedDeltaNet's forward ``gdn(x, attention_mask=...)`` computed ``tile_tokens`` positions at a
-    time: the module's function exactly, with a backward working set of one tile.
-
-    Forward: tiles in order without grad, keeping the carry into each. Backward (``TiledGDNFunction``):
-    tiles in reverse, each recomputed from its rows of ``x`` and its carry, backpropagated to ``dx``,
-    the previous carry's gradient and the trainable parameters. Under the layer's checkpoint the
-    recompute needs this node's output, so each tile runs forward three times;
-    ``tiled_gated_delta_net_layer`` avoids that. Dropout, RNG, autocast and ``retain_graph``: as
-    ``tiled_mlp``.
+    """A GatedDeltaNet's forward ``gdn(x, attention_mask=...)`` computed ``tile_tokens`` positions at a time, exactly,
+    with a backward working set of one tile (``TiledFunction``). Under the layer's checkpoint the recompute needs this
+    node's output, so each tile runs forward three times; ``tiled_gated_delta_net_layer`` avoids that. Dropout, RNG,
+    autocast and ``retain_graph``: as ``tiled_mlp``.
 
     Args:
-        gdn (nn.Module): transformers' ``Qwen3_5GatedDeltaNet`` (or the MoE one), patched or not, with
-            PEFT adapters or without.
+        gdn (nn.Module): transformers' ``Qwen3_5GatedDeltaNet`` (or the MoE one), patched or not, with PEFT or without.
         x (Tensor): its input ``[B, T, H]``.
         tile_tokens (int): positions a tile; at least T runs the module's math once, with grad.
         attention_mask (Tensor, optional): the 2-D padding mask ``[B, T]``.
@@ -183,12 +175,9 @@ def tiled_gated_delta_net(gdn: torch.nn.Module, x: torch.Tensor, tile_tokens: in
 
 
 class _GatedDeltaNetLayerTile:
-    """One tile of a GatedDeltaNet decoder layer, ``((h, m), carry') = tile(x, carry, span)``::
+    """One tile of a GatedDeltaNet decoder layer, its output ``h + m`` as two addends (``Tiles``)::
 
-        h, carry' = x + GatedDeltaNet_tile(input_layernorm(x), carry)
-        m         = mlp(post_attention_layernorm(h))
-
-    the layer's output ``h + m`` as its two addends (``Tiles``)."""
+        h, carry' = x + GatedDeltaNet_tile(input_layernorm(x), carry);  m = mlp(post_attention_layernorm(h))"""
 
     def __init__(self, layer: torch.nn.Module, attention_mask: torch.Tensor | None, kwargs: dict):
         self.layer = layer
@@ -223,29 +212,11 @@ def _check_gated_delta_net_layer(layer) -> None:
 def tiled_gated_delta_net_layer(layer: torch.nn.Module, x: torch.Tensor, tile_tokens: int, *,
                                 attention_mask: torch.Tensor | None = None, preserve_rng_state: bool = True,
                                 **kwargs) -> torch.Tensor:
-    """A GatedDeltaNet decoder layer's forward ``layer(x, attention_mask=...)`` computed ``tile_tokens``
-    positions at a time, the whole layer in each tile: the layer's function exactly, with a backward
-    working set of one tile.
-
-    The whole layer, so that the layer checkpoint's recompute stops at the stashed input instead of
-    running every tile again for the GatedDeltaNet's output; the carries (hidden from the checkpoint)
-    live from the forward to the layer's backward. Hooks on the layer's GatedDeltaNet or MLP are not
-    called. Dropout, RNG, autocast and ``retain_graph``: as ``tiled_mlp``.
-
-    Args:
-        layer (nn.Module): a decoder layer ``is_gated_delta_net_layer`` accepts, patched or not.
-        x (Tensor): its input ``[B, T, H]``.
-        tile_tokens (int): positions a tile; at least T runs the tile function once, with grad.
-        attention_mask (Tensor, optional): the 2-D padding mask ``[B, T]``.
-        preserve_rng_state (bool): replay each tile's RNG in its recompute. Default: True.
-        **kwargs: the rest the layer hands its GatedDeltaNet.
-
-    Returns:
-        Tensor: ``[B, T, H]``, the layer's output.
-
-    Raises:
-        TypeError: ``layer`` not a GatedDeltaNet layer that can be tiled, ``x`` not a tensor.
-        ValueError: a shape, mask or tile size out of contract; packed sequences."""
+    """A GatedDeltaNet decoder layer's forward ``layer(x, attention_mask=...)`` computed ``tile_tokens`` positions at
+    a time, exactly, the whole layer in each tile: the layer checkpoint's recompute then stops at the stashed input
+    instead of rerunning every tile for the GatedDeltaNet's output, and the carries, hidden from the checkpoint, live
+    until the layer's backward. Hooks on its GatedDeltaNet or MLP are not called. Otherwise (arguments, result,
+    errors, dropout, autocast) as ``tiled_gated_delta_net``, for a layer ``is_gated_delta_net_layer`` accepts."""
     _check_gated_delta_net_layer(layer)
     problem = gated_delta_net_problem(layer.linear_attn)
     if problem:
@@ -261,10 +232,9 @@ def tiled_gated_delta_net_layer(layer: torch.nn.Module, x: torch.Tensor, tile_to
 
 
 class TiledGDNForward(TiledForward):
-    """A GatedDeltaNet's forward through ``tiled_gated_delta_net`` when it trains on more than a tile.
-
-    Untiled: no grad, T within a tile, a positional call, accelerate's hooks on the conv; with a
-    warning, a cache or packed sequences, whose state tiles cannot carry."""
+    """A GatedDeltaNet's forward through ``tiled_gated_delta_net`` when it trains on more than a tile. Untiled: no
+    grad, one tile, a positional call, accelerate's hooks on the conv; with a warning, a cache or packed sequences,
+    whose state tiles cannot carry."""
 
     def __call__(self, *args, **kwargs):
         x = args[0] if args else kwargs.get("hidden_states")
@@ -324,18 +294,8 @@ class TiledGDNLayerForward(TiledForward):
 
 
 def tile_gated_delta_net(gdn: torch.nn.Module, tile_tokens: int) -> bool:
-    """Give a GatedDeltaNet a ``TiledGDNForward`` around its current forward (call after any patch
-    that sets its forward, and ``untile_gated_delta_net`` before undoing that patch).
-
-    Args:
-        gdn (nn.Module): the GatedDeltaNet.
-        tile_tokens (int): positions a tile; an existing tiled forward takes the new size.
-
-    Returns:
-        bool: True if it had no tiled forward.
-
-    Raises:
-        TypeError: a module ``gated_delta_net_problem`` says cannot be tiled."""
+    """``put_tiled_forward`` of a ``TiledGDNForward`` (``TypeError`` where ``gated_delta_net_problem`` objects): call
+    after any patch that sets the forward, and ``untile_gated_delta_net`` before undoing it."""
     problem = gated_delta_net_problem(gdn)
     if problem:
         raise TypeError(f"gdn: cannot be tiled: {problem}")
@@ -343,23 +303,13 @@ def tile_gated_delta_net(gdn: torch.nn.Module, tile_tokens: int) -> bool:
 
 
 def untile_gated_delta_net(gdn: torch.nn.Module) -> bool:
-    """Put back the forward ``tile_gated_delta_net`` wrapped.
-
-    Returns:
-        bool: True if there was a tiled one."""
+    """Put back the forward ``tile_gated_delta_net`` wrapped; True if there was a tiled one."""
     return take_tiled_forward(gdn, TiledGDNForward)
 
 
 def tile_gated_delta_nets(model: torch.nn.Module, tile_tokens: int) -> int:
-    """``tile_gated_delta_net`` on every GatedDeltaNet of ``model`` that can be tiled, and
-    ``tile_gated_delta_net_layer`` on every decoder layer of one with a per-token MLP.
-
-    Args:
-        model (nn.Module): the model.
-        tile_tokens (int): positions a tile.
-
-    Returns:
-        int: how many modules were new."""
+    """``tile_gated_delta_net`` on every GatedDeltaNet of ``model`` that can be tiled, ``tile_gated_delta_net_layer``
+    on every decoder layer of one with a per-token MLP; how many modules were new."""
     new = 0
     for m in model.modules():
         if is_gated_delta_net(m) and gated_delta_net_problem(m) is None:
@@ -375,24 +325,12 @@ def untile_gated_delta_nets(model: torch.nn.Module) -> int:
 
 
 def tile_gated_delta_net_layer(layer: torch.nn.Module, tile_tokens: int) -> bool:
-    """Give a GatedDeltaNet decoder layer a ``TiledGDNLayerForward``.
-
-    Args:
-        layer (nn.Module): the decoder layer.
-        tile_tokens (int): positions a tile.
-
-    Returns:
-        bool: True if it had none.
-
-    Raises:
-        TypeError: a module ``is_gated_delta_net_layer`` refuses."""
+    """``put_tiled_forward`` of a ``TiledGDNLayerForward`` (``TypeError`` where ``is_gated_delta_net_layer``
+    refuses)."""
     _check_gated_delta_net_layer(layer)
     return put_tiled_forward(layer, tile_tokens, TiledGDNLayerForward)
 
 
 def untile_gated_delta_net_layer(layer: torch.nn.Module) -> bool:
-    """Put back the forward ``tile_gated_delta_net_layer`` wrapped.
-
-    Returns:
-        bool: True if there was a tiled one."""
+    """Put back the forward ``tile_gated_delta_net_layer`` wrapped; True if there was a tiled one."""
     return take_tiled_forward(layer, TiledGDNLayerForward)

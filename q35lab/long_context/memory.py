@@ -1,10 +1,5 @@
-"""The memory model: a LoRA training step's peak as ``fixed + T · bytes_per_token``, term by term.
-
-    bytes_per_token = (layers whose checkpoint input is on the GPU) · H · e     checkpoint inputs
-                    + max over phases of one layer's backward working set      (MLP, GatedDeltaNet, attention)
-                    + the loss's per-token tensors                            (the logits are chunked)
-
-with H the hidden size and e the activation's bytes (2 in bf16)."""
+"""The memory model: a LoRA training step's peak as ``fixed + T · per_token`` bytes, term by term
+(``bytes_per_token``)."""
 
 from __future__ import annotations
 
@@ -121,8 +116,8 @@ def parameter_count(config) -> int:
 
 
 def lora_parameter_count(config, rank: int = 16, targets: str | tuple = "all-linear") -> int:
-    """LoRA parameters, r·(in + out) per adapted linear of every layer ("all-linear": each of
-    them, lm_head excluded, as PEFT; or a tuple of projection kinds: "mlp", "mixer")."""
+    """LoRA parameters, r·(in + out) per adapted linear of every layer ("all-linear": each of them, lm_head
+    excluded, as PEFT; or a tuple of projection kinds: "mlp", "mixer")."""
     rank = check_int("rank", rank, minimum=0, what="the LoRA rank")
     if targets != "all-linear" and (isinstance(targets, str) or not set(targets) <= {"mlp", "mixer"}):
         raise ValueError(f"targets: expected 'all-linear' or a tuple of 'mlp' and 'mixer', got {targets!r}")
@@ -169,21 +164,15 @@ def _gdn_carry_bytes(d: _Dims, e: int) -> int:
 
 
 def _phase_terms(d: _Dims, e: int, r: int, tiled: bool, gdn_tile: int | None = None) -> dict[str, dict[str, float]]:
-    """Per-token bytes of each phase of one layer's backward (checkpoints and residual excluded).
+    """Per-token bytes of each phase of one layer's backward (checkpoints and residual excluded), counted from the
+    code that runs: q35lab's patched modules (fused in_proj and gate/up, SwiGLU with the down projection in its node,
+    norms, conv, LoRA saving ``x·Aᵀ`` of r values), fla's ``chunk_gated_delta_rule`` (saves l2-normed q, k with their
+    rstd, v, g, beta and the WY matrix A, 64 values per token and value head; its backward recomputes w, u, the chunk
+    states h and makes dh, dv, dw, dq, dk) and SDPA's flash backend (saves q, k, v, out, lse; an fp32 dq accumulator).
 
-    Counted from the code that runs on the GPU: q35lab's patched modules (fused in_proj and
-    gate/up, SwiGLU with the down projection in its node, norms, conv, LoRA saving ``x·Aᵀ`` of
-    r values), fla's
-    ``chunk_gated_delta_rule`` (saves l2-normed q, k with their rstd, v, g, beta and the WY
-    matrix A of 64 values per token and value head; its backward recomputes w, u, the chunk
-    states h and makes dh, dv, dw, dq, dk) and SDPA's flash backend (saves q, k, v, out, lse; a
-    fp32 dq accumulator in backward). fla's and SDPA's terms are read from their code.
-
-    ``tiled``: the MLP is tiled (its input and dx remain per token). ``gdn_tile``: a GatedDeltaNet's
-    decoder layer is tiled whole at this many tokens (``tiled_gated_delta_net_layer``): its
-    backward keeps only the layer's input and its dx per token, one phase; the rest is one tile's
-    (``bytes_per_token`` counts it as fixed, and the carries every such layer holds as common).
-    """
+    ``tiled``: the MLP is tiled (its input and dx stay per token). ``gdn_tile``: GatedDeltaNet layers are tiled whole
+    at this many tokens, their backward one phase of input and dx per token; ``bytes_per_token`` counts the rest as
+    one tile's (fixed) and the carries as common to every phase."""
     H, I = d.H, d.I
     q = d.nq * d.hd
     kv = d.nkv * d.hd
@@ -261,8 +250,8 @@ class MemoryModel:
 
     def longest_fit(self, gpu_bytes: float = H200_USABLE_BYTES, host_bytes: float | None = None,
                     multiple: int = 1024) -> int:
-        """The most tokens, a multiple of ``multiple``, whose peak fits ``gpu_bytes`` and whose host
-        copies fit ``host_bytes`` (if given); 0 where none do.
+        """The most tokens, a multiple of ``multiple``, whose peak fits ``gpu_bytes`` and whose host copies fit
+        ``host_bytes`` (if given); 0 where none do.
 
         Raises:
             TypeError: an argument not a number (``multiple`` not an int).
@@ -293,16 +282,14 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
                     lora_rank: int = 16, dtype_bytes: int = 2, weight_bytes: int | None = None,
                     adapter_bytes: int = 4, batch: int = 1, loss_chunk_bytes: int | None = None,
                     slack_bytes: float = 2 * GiB, other_trainable_parameters: int = 0) -> MemoryModel:
-    """Predict the peak of a Qwen3.5 LoRA step under gradient checkpointing: its slope (bytes a
-    token), term by term, and its constant part.
+    """Predict the peak of a Qwen3.5 LoRA step under gradient checkpointing, ``fixed + T · per_token``, term by term.
 
-    Per token (e = ``dtype_bytes``): the checkpoint inputs on the GPU at the peak (L·H·e, or with k
-    layers offloaded max(L − k, 2)·H·e), the residual stream's gradients (3·H·e), token ids,
-    labels, positions and RoPE, and the largest phase: one layer's backward working set (the MLP's,
-    the GatedDeltaNet's or the attention's, by ``_phase_terms``; a tiled one keeps its input and dx,
-    2·H·e, and its carries) or the loss at the end of the forward. Constant: the weights, the
-    adapters with their gradients and AdamW's two fp32 moments, one chunk of the fused loss's
-    logits, one tile's working set where tiled, and ``slack_bytes``.
+    Per token (e = ``dtype_bytes``, H the hidden size): the checkpoint inputs on the GPU at the peak (L·H·e; with k
+    layers offloaded max(L − k, 2)·H·e), the residual stream's gradients (3·H·e), token ids, labels, positions and
+    RoPE, and the largest phase: one layer's backward working set (MLP, GatedDeltaNet or attention, ``_phase_terms``;
+    a tiled one keeps its input and dx, 2·H·e, and its carries) or the loss at the end of the forward (its logits
+    chunked). Fixed: the weights, the adapters with their gradients and AdamW's two fp32 moments, one chunk of the
+    fused loss's logits, one tile's working set where tiled, and ``slack_bytes``.
 
     Args:
         config: a dense Qwen3.5 text config (``Qwen3_5TextConfig``, or a config holding one).
@@ -315,11 +302,10 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
         weight_bytes (int, optional): bytes of a frozen weight. Default: ``dtype_bytes``.
         adapter_bytes (int): bytes of an adapter's parameter. Default: 4 (fp32).
         batch (int): the step's rows, each of the tokens a step is planned for. Default: 1.
-        loss_chunk_bytes (int, optional): one chunk of the loss's logits.
-            Default: ``ops.linear_cross_entropy.CHUNK_BYTES``.
+        loss_chunk_bytes (int, optional): a chunk of logits. Default: ``ops.linear_cross_entropy.CHUNK_BYTES``.
         slack_bytes (float): cuBLAS workspaces, allocator rounding. Default: 2 GiB.
-        other_trainable_parameters (int): parameters that train besides the adapters
-            (``modules_to_save``, a full fine-tune), each with a gradient and two AdamW moments. Default: 0.
+        other_trainable_parameters (int): parameters that train besides the adapters (``modules_to_save``, a full
+            fine-tune), each with a gradient and two AdamW moments. Default: 0.
 
     Returns:
         MemoryModel: the terms; its ``peak(T)`` and ``longest_fit(gpu_bytes)`` read them.
@@ -391,9 +377,8 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
                                                 * mlp_tile_terms)
     if gdn_tile is not None and "linear_attention" in d.layer_types:
         saved, backward = _gdn_terms(d, e, r)
-        # the GatedDeltaNet's terms, saved and backward, the norms' inputs, the MLP's terms untiled, two carries
-        # (the one handed on and its gradient), and the conv's input for a tile after the first: the carried
-        # K−1 rows and the tile's, one new buffer
+        # the GatedDeltaNet's saved and backward terms, the norms' inputs, the MLP's untiled terms, two carries (the
+        # one handed on and its gradient), and a later tile's conv input: the carried K−1 rows and the tile's
         layer_terms = 2 * (d.H * e + 4) + mlp_tile_terms + 3 * r * e  # + the MLP's LoRA
         fixed["GatedDeltaNet layer: one tile's working set"] = batch * (
             gdn_tile * (sum(saved.values()) + sum(backward.values()) + layer_terms)

@@ -1,7 +1,5 @@
-"""Decoder-layer checkpoints offloaded to pinned host memory between forward and backward.
-
-Each checkpointed layer's input ([B, T, H]) is copied to the host on a side stream during the
-forward and brought back, the next layer's prefetched, during the backward."""
+"""Decoder-layer checkpoints offloaded to pinned host memory: each checkpointed layer's input [B, T, H] is copied
+to the host on a side stream in the forward and brought back, the next one prefetched, in the backward."""
 
 from __future__ import annotations
 
@@ -17,24 +15,20 @@ from ..ops._checks import check_bool, check_int, check_module
 from .memory import GiB, layer_count, memory_bytes
 from .tiles import TiledForward
 
-#: Saved tensors smaller than this stay where they are (a [B, T, H] bf16 checkpoint at H = 4096
-#: passes it from T = 128 tokens on).
+#: Saved tensors smaller than this stay where they are (a bf16 [1, T, 4096] checkpoint passes it from T = 128).
 MIN_OFFLOAD_BYTES = 2**20
 
-#: Host memory the checkpoint offload leaves to the process, the data loader and the OS (pinned
-#: memory is never swapped out; a host that runs out ends the process without an error). A host
-#: of less than 64 GiB keeps a quarter of its memory instead (``default_host_reserve``).
+#: Host memory the offload leaves to the process, the data loader and the OS: pinned memory is never swapped out,
+#: and a host that runs out ends the process without an error. Below 64 GiB, a quarter (``default_host_reserve``).
 HOST_RESERVE_BYTES = 16 * 2**30
 
-#: Host copies are made of pinned blocks of at most this size. PyTorch's pinned-memory allocator
-#: rounds every request up to a power of two (``CachingHostAllocator``): one block per [T, H]
-#: tensor would waste up to half the host memory; blocks waste at most one block's rounding a tensor.
+#: The most bytes of one pinned host block: PyTorch's ``CachingHostAllocator`` rounds each request up to a power of
+#: two, so one block per [T, H] tensor could waste half the host memory; blocks waste one block's rounding a tensor.
 HOST_CHUNK_BYTES = 64 * 2**20
 
 
 class _Kept:
-    """A saved tensor left on its device, in the offloader's chain so that its unpacking
-    prefetches the one saved before it."""
+    """A saved tensor left on its device, chained so that its unpacking prefetches the one saved before it."""
 
     __slots__ = ("tensor", "prev", "__weakref__")
 
@@ -43,8 +37,7 @@ class _Kept:
 
 
 class _HostCopy:
-    """A saved tensor's copy in host memory (pinned blocks for a CUDA tensor), with what it takes
-    to bring it back: its shape, dtype and device, the D2H copy's event, and a prefetched copy."""
+    """A saved tensor's host copy (pinned blocks for a CUDA tensor), its D2H event and a prefetched copy."""
 
     __slots__ = ("chunks", "shape", "dtype", "device", "d2h", "prev", "fetched", "h2d", "__weakref__")
 
@@ -58,10 +51,9 @@ class _HostCopy:
 
 
 def _parameter_storages(model: torch.nn.Module) -> set[int]:
-    """The data pointers of the storages ``model``'s parameters live in. A parameter sharded by
-    FSDP2 (``fully_shard``) is a DTensor, which has no storage of its own: its local shard's is
-    taken (the gathered weight FSDP2 hands the forward is an ``nn.Parameter``, which ``_wanted``
-    refuses by type); a parameter whose storage FSDP2 has freed (size 0, pointer 0) has none."""
+    """Data pointers of ``model``'s parameter storages. An FSDP2 DTensor has none of its own: its local shard's is
+    taken (the gathered weight FSDP2 hands the forward is an ``nn.Parameter``, which ``_wanted`` refuses by type);
+    a storage FSDP2 has freed (pointer 0) is skipped."""
     pointers = set()
     with torch.no_grad():  # to_local of a DTensor that requires grad would record an autograd node
         for p in model.parameters():
@@ -75,25 +67,21 @@ def _parameter_storages(model: torch.nn.Module) -> set[int]:
 class CheckpointOffloader:
     """Saved-tensor hooks that keep large saved tensors in host memory between forward and backward.
 
-    Around a decoder layer's checkpoint call (``offload_decoder_layers``) the only tensor they pack
-    is that checkpoint's input, ``[B, T, H]`` (what the layer saves inside is the checkpoint's own
-    and recomputed); around a whole forward (``offloaded_checkpoints``), every tensor saved outside
-    a checkpoint. A tensor of at least ``min_bytes`` that is not a parameter, nor shares memory with
-    one, is copied into pinned host blocks on a side CUDA stream; in backward it comes back on that
-    stream, and the one saved before it is prefetched. On a CPU the copies are plain host tensors.
-    Unpacked tensors are contiguous. ``stats`` counts packed, offloaded (and their bytes), kept,
-    unpacked and prefetched tensors.
+    Around a decoder layer's checkpoint call (``offload_decoder_layers``) they pack only its input ``[B, T, H]`` (what
+    the layer saves inside, the checkpoint recomputes); around a whole forward (``offloaded_checkpoints``), every
+    tensor saved outside a checkpoint. A tensor of at least ``min_bytes`` that neither is nor shares memory with a
+    parameter is copied into pinned host blocks on a side CUDA stream (plain host tensors on a CPU) and comes back,
+    contiguous, on that stream in backward, the one saved before it prefetched. ``stats`` counts packed, offloaded (and
+    their bytes), kept, unpacked and prefetched tensors.
 
     Args:
         min_bytes (int): smaller tensors stay where they are. Default: ``MIN_OFFLOAD_BYTES``.
-        layers (int, optional): offload in the first this many decoder layers only (set by
-            ``offload_decoder_layers``). Default: None (every layer).
+        layers (int, optional): offload in the first this many decoder layers only. Default: None (every layer).
         prefetch (bool): bring back the tensor saved before the one being unpacked. Default: True.
         pin_memory (bool, optional): pinned host blocks for a CUDA tensor. Default: None (pinned).
-        chunk_bytes (int): the most bytes of one host block (the pinned allocator rounds a block up
-            to a power of two). Default: ``HOST_CHUNK_BYTES``.
-        host_reserve_bytes (int, optional): host memory an offload leaves free; a copy that would
-            take it raises ``MemoryError``. Default: ``default_host_reserve()``.
+        chunk_bytes (int): the most bytes of one host block. Default: ``HOST_CHUNK_BYTES``.
+        host_reserve_bytes (int, optional): host memory an offload leaves free; a copy that would take it raises
+            ``MemoryError``. Default: ``default_host_reserve()``.
 
     Raises:
         TypeError: an argument not of the type above.
@@ -124,8 +112,8 @@ class CheckpointOffloader:
         self._parameter_storages: set = set()
 
     def exclude_parameters_of(self, model: torch.nn.Module) -> None:
-        """Never offload a tensor that shares memory with one of ``model``'s parameters (a view of
-        packed weights, a weight saved by a GEMM); read again at each new chain."""
+        """Never offload a tensor sharing memory with ``model``'s parameters (packed weights, a weight saved by a
+        GEMM); read again at each new chain."""
         self._model = weakref.ref(model)
         self.new_chain()
 
@@ -170,9 +158,8 @@ class CheckpointOffloader:
         return not self._holds_a_parameter(t)
 
     def _holds_a_parameter(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` lives in one of the excluded model's parameter storages. Once that model is
-        gone its pointers mean nothing: CUDA's caching allocator hands the memory to the next
-        tensors, which would be taken for parameters and never offloaded."""
+        """Whether ``t`` lives in the excluded model's parameter storages; none once that model is gone, as the
+        allocator hands its memory to tensors that would otherwise never be offloaded."""
         if not self._parameter_storages:
             return False
         if self._model is not None and self._model() is None:
@@ -196,8 +183,7 @@ class CheckpointOffloader:
             self.stats["offloaded"] += 1
             self.stats["offloaded_bytes"] += t.numel() * t.element_size()
         if t.numel():
-            # an empty tensor stays out of the chain: saved beside a layer's input, it would be prefetched
-            # in place of the earlier input
+            # an empty tensor stays out: saved beside a layer's input, it would be prefetched instead of the earlier one
             self._last = weakref.ref(handle)
         return handle
 
@@ -228,10 +214,8 @@ class CheckpointOffloader:
         return _HostCopy(chunks, src.shape, src.dtype, src.device, d2h, prev)
 
     def _claim_host_memory(self, nbytes: int) -> None:
-        """Refuse, with an error that says what to do, a copy that would leave the host less than
-        ``host_reserve_bytes`` (pinned memory cannot be swapped: past that the kernel's OOM killer
-        ends the process without a word). Only bytes beyond what an earlier chain held are new:
-        PyTorch's host allocator keeps the blocks it pinned then and hands them out again."""
+        """Refuse a copy that would leave the host less than ``host_reserve_bytes`` (past that the OOM killer ends the
+        process silently). Only bytes beyond an earlier chain's are new: the host allocator reuses its pinned blocks."""
         self._chain_bytes += nbytes
         new = self._chain_bytes - self._most_bytes
         if new <= 0:
@@ -247,7 +231,7 @@ class CheckpointOffloader:
         self._most_bytes = self._chain_bytes
 
     def _fetch(self, h: _HostCopy) -> None:
-        """Start bringing ``h`` back (an event to wait on, on CUDA; assembled at once on a CPU)."""
+        """Start bringing ``h`` back (an event to wait on, on CUDA; at once on a CPU)."""
         if h.device.type != "cuda":
             h.fetched = torch.cat(h.chunks).view(h.shape) if h.chunks else torch.empty(h.shape, dtype=h.dtype)
             return
@@ -291,13 +275,11 @@ def offloaded_checkpoints(model: torch.nn.Module | None = None, *, offloader: Ch
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
 
-    With the decoder layers checkpointed, what is saved outside their checkpoints is their inputs,
-    the final norm's input and the loss's saved tensors. ``offload_decoder_layers`` offloads some
-    layers only, without changing the training loop.
+    With checkpointed decoder layers, that is their inputs, the final norm's input and the loss's saved tensors.
+    ``offload_decoder_layers`` offloads some layers only, without changing the training loop.
 
     Args:
-        model (nn.Module, optional): whose parameters (and tensors sharing their memory, such as
-            packed weights saved by a GEMM) are never offloaded. Default: None.
+        model (nn.Module, optional): whose parameters, and tensors sharing their memory, stay. Default: None.
         offloader (CheckpointOffloader, optional): the hooks to use. Default: a new one.
         **settings: ``CheckpointOffloader``'s arguments, for a new one.
 
@@ -305,8 +287,7 @@ def offloaded_checkpoints(model: torch.nn.Module | None = None, *, offloader: Ch
         CheckpointOffloader: the hooks in use (``stats`` counts what moved).
 
     Raises:
-        TypeError: ``model`` not a module, ``offloader`` not a ``CheckpointOffloader``, a setting
-            with an offloader given.
+        TypeError: ``model`` not a module, ``offloader`` not a ``CheckpointOffloader``, a setting with an offloader.
     """
     if model is not None:
         check_module("model", model)
@@ -323,16 +304,12 @@ def offloaded_checkpoints(model: torch.nn.Module | None = None, *, offloader: Ch
 
 
 class _OffloadedCheckpoint:
-    """A decoder layer's gradient-checkpoint function (``layer._gradient_checkpointing_func``) run
-    under the offloader's hooks, offloading if the layer is among the first ``count``.
+    """A layer's ``_gradient_checkpointing_func`` under the offloader's hooks, offloading in the first ``layers``.
 
-    The checkpoint function is the one entry every transformers version goes through: 5.23 on calls
-    it from the class's ``forward``, earlier from ``GradientCheckpointingLayer.__call__``,
-    *around* the module call — a wrapped instance ``forward`` would run inside the checkpoint
-    there, its hooks innermost, and offload every tensor the layer saves (and break the
-    recompute, which then saves none). Here the hooks surround the checkpoint call, so the only
-    tensor they pack is the checkpoint's input; inside, ``torch.utils.checkpoint``'s own hooks
-    are innermost. An object, not a closure: it deep-copies and pickles with its model."""
+    The one entry every transformers release goes through (5.23 on from the class's ``forward``, below from
+    ``GradientCheckpointingLayer.__call__`` around the module call, where hooks in an instance ``forward`` would sit
+    inside the checkpoint, offload all the layer saves and break its recompute). Around it they pack only its input,
+    ``torch.utils.checkpoint``'s own innermost. An object, not a closure: it deep-copies and pickles with its model."""
 
     def __init__(self, offloader: CheckpointOffloader, index: int, inner):
         self.offloader, self.index, self.inner = offloader, index, inner
@@ -347,11 +324,8 @@ class _OffloadedCheckpoint:
 
 
 class _OffloadGuard:
-    """Forward pre-hook of the module that runs the decoder layers (``model.model`` for the text
-    model): each forward starts a new offload chain, and any layer whose checkpoint function is
-    not wrapped (gradient checkpointing enabled or re-enabled after ``offload_decoder_layers``;
-    ``gradient_checkpointing_enable`` sets a fresh one on every layer) is wrapped again, before
-    the first layer runs."""
+    """Forward pre-hook of the module running the decoder layers: each forward starts a new chain and wraps any
+    checkpoint function set since (checkpointing enabled again after ``offload_decoder_layers`` sets fresh ones)."""
 
     def __init__(self, offloader: CheckpointOffloader):
         self.offloader = offloader
@@ -374,25 +348,22 @@ def offload_decoder_layers(model: torch.nn.Module, layers: float | int = 1.0, *,
                            offloader: CheckpointOffloader | None = None, **settings) -> CheckpointOffloader:
     """Offload the gradient-checkpoint inputs of the first ``layers`` decoder layers to host memory.
 
-    The first layers' inputs are needed last in the backward, so their copies have the longest time
-    to complete and to come back. Takes effect while the layers are gradient-checkpointed in train
-    mode (``enable_checkpointing(model)``, before or after this call); otherwise the layers run as they
-    are. Calling again updates the count; ``restore_decoder_layers`` undoes it.
+    The first layers: their inputs are needed last in the backward, so their copies have the longest time to go and
+    come back. Takes effect while the layers are gradient-checkpointed in train mode (``enable_checkpointing``, before
+    or after); calling again updates the count; ``restore_decoder_layers`` undoes it.
 
     Args:
-        model (nn.Module): a transformers model (or a PEFT wrapper) with decoder layers in a
-            ``layers`` list.
+        model (nn.Module): a transformers model (or a PEFT wrapper) with decoder layers in a ``layers`` list.
         layers (float or int): a fraction of the decoder layers in [0, 1], or a count. Default: 1.0.
-        offloader (CheckpointOffloader, optional): the hooks to use. Default: the model's current
-            one, else a new one.
+        offloader (CheckpointOffloader, optional): the hooks to use. Default: the model's current one, else a new one.
         **settings: ``CheckpointOffloader``'s arguments, for a new one.
 
     Returns:
         CheckpointOffloader: the hooks in use (``stats`` counts what moved).
 
     Raises:
-        TypeError: ``model`` not a module, ``layers`` not a number, ``offloader`` not a
-            ``CheckpointOffloader``, a setting with an offloader given.
+        TypeError: ``model`` not a module, ``layers`` not a number, ``offloader`` not a ``CheckpointOffloader``, a
+            setting with an offloader.
         ValueError: ``layers`` out of range, a model without decoder layers.
     """
     check_module("model", model)
@@ -448,8 +419,7 @@ def restore_decoder_layers(model: torch.nn.Module) -> int:
 
 
 def host_memory_available() -> int | None:
-    """The bytes of host memory this process may still take: ``MemAvailable`` (/proc/meminfo),
-    capped by the cgroup's limit minus its usage where one is set (a container).
+    """The host memory this process may still take: ``MemAvailable``, capped by a cgroup's limit minus its usage.
 
     Returns:
         int or None: the bytes, None where unknown.
@@ -463,12 +433,11 @@ def host_memory_available() -> int | None:
 
 
 def default_host_reserve(total_bytes: float | None = None) -> int:
-    """The host memory an offload leaves free by default: ``HOST_RESERVE_BYTES``, or a quarter of
-    the host where that is less.
+    """The host memory an offload leaves free by default: ``HOST_RESERVE_BYTES``, or a quarter of the host if less.
 
     Args:
-        total_bytes (float, optional): the host's memory. Default: this host's (``MemTotal``, or
-            the cgroup's limit); where unknown, the reserve is ``HOST_RESERVE_BYTES``.
+        total_bytes (float, optional): the host's memory. Default: this host's (``MemTotal``, or the cgroup's
+            limit); where unknown, the reserve is ``HOST_RESERVE_BYTES``.
 
     Returns:
         int: the bytes to leave free.
@@ -489,14 +458,13 @@ def default_host_reserve(total_bytes: float | None = None) -> int:
 
 
 def enable_checkpointing(model: torch.nn.Module, **checkpoint_kwargs) -> None:
-    """Turn on transformers' gradient checkpointing of every decoder layer, through
-    ``activation_checkpointing_enable`` where the installed release has it (it deprecates
-    ``gradient_checkpointing_enable``), else ``gradient_checkpointing_enable``.
+    """Turn on transformers' gradient checkpointing of every decoder layer (``activation_checkpointing_enable``,
+    which deprecates ``gradient_checkpointing_enable``, where the release has it).
 
     Args:
         model (nn.Module): a transformers model, or a PEFT wrapper of one.
-        **checkpoint_kwargs: for ``torch.utils.checkpoint.checkpoint``. Default:
-            ``use_reentrant=False`` (what the offload and the tiles take).
+        **checkpoint_kwargs: for ``torch.utils.checkpoint.checkpoint``. Default: ``use_reentrant=False`` (what the
+            offload and the tiles take).
 
     Raises:
         TypeError: ``model`` not a transformers model.

@@ -17,17 +17,12 @@ from .tiles import check_tile_tokens
 def plan_offload_layers(config, tokens: int, *, gpu_bytes: float = H200_USABLE_BYTES,
                         host_bytes: float | None = None, host_reserve_bytes: float = HOST_RESERVE_BYTES,
                         **model_settings) -> tuple[int, bool]:
-    """The fewest decoder layers to offload for a step of ``tokens`` to fit ``gpu_bytes``, within the
-    host memory.
+    """The fewest decoder layers to offload for a step of ``tokens`` to fit ``gpu_bytes``, within the host memory.
 
     Args:
-        config: a dense Qwen3.5 text config.
-        tokens (int): the step's tokens (a row's).
-        gpu_bytes (float): the GPU memory the step may use. Default: ``H200_USABLE_BYTES``.
-        host_bytes (float, optional): the host memory free. Default: ``host_memory_available()``
-            (where unknown, no limit).
-        host_reserve_bytes (float): of that, what the offload leaves free. Default: ``HOST_RESERVE_BYTES``.
-        **model_settings: ``bytes_per_token``'s other arguments.
+        config, tokens, gpu_bytes, host_bytes, **model_settings: as for ``plan_long_context``; an unknown host memory
+            sets no limit here.
+        host_reserve_bytes (float): of the host memory, what the offload leaves free. Default: ``HOST_RESERVE_BYTES``.
 
     Returns:
         tuple[int, bool]: the layers, and whether the step is predicted to fit.
@@ -96,7 +91,6 @@ class LongContextPlan:
         host = f"{self.tokens * self.model.host_per_token / GiB:.1f} GiB" if self.host_known else "none (unknown)"
         advice = ""
         if (self.offload_layers or self.tiled_mlp or self.tiled_gdn) and not self.expandable_segments:
-            # without expandable segments, free memory stranded in smaller blocks has ended long steps early
             advice = ("; the allocator's fragmentation may end such a step below the prediction: set "
                       "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before CUDA starts")
         return (f"planned for {self.tokens:,} tokens: {chosen}; predicted peak "
@@ -105,37 +99,32 @@ class LongContextPlan:
 
 
 def expandable_segments() -> bool:
-    """Whether ``PYTORCH_CUDA_ALLOC_CONF`` turns on the CUDA caching allocator's expandable segments,
-    which map freed blocks into one range instead of stranding them (fragmentation)."""
+    """Whether ``PYTORCH_CUDA_ALLOC_CONF`` turns on expandable segments, which map freed blocks into one range
+    instead of stranding them (fragmentation)."""
     settings = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
     return "expandable_segments:true" in settings.split(",")
 
 
 def plan_long_context(config, tokens: int, *, gpu_bytes: float = H200_USABLE_BYTES, host_bytes: float | None = None,
                       host_reserve_bytes: float | None = None, **model_settings) -> LongContextPlan:
-    """The cheapest long-context options under which a step of ``tokens`` is predicted to fit
-    ``gpu_bytes``, by ``bytes_per_token``.
-
-    Options are added cheapest first: none where the step fits as it is; else the checkpoint offload
-    of the fewest layers that fit; else also the tiled MLP, then the tiled GatedDeltaNet, at the
-    largest tile of ``PLAN_TILES`` below ``tokens`` that fits. Where nothing fits, the most frugal
-    plan, with ``fits=False``. A plan serves every shorter step too: a module tiles only a sequence
-    longer than its tile, and ``apply_to_qwen3_5`` runs steps up to ``untiled_up_to`` untiled.
+    """The cheapest long-context options under which a step of ``tokens`` is predicted (``bytes_per_token``) to fit
+    ``gpu_bytes``: none; else the offload of the fewest layers that fit; else also the tiled MLP, then the tiled
+    GatedDeltaNet, at the largest tile of ``PLAN_TILES`` below ``tokens`` that fits; else the most frugal plan, with
+    ``fits=False``. It serves every shorter step too: a module tiles only a sequence longer than its tile, and
+    ``apply_to_qwen3_5`` runs steps up to ``untiled_up_to`` untiled.
 
     Args:
         config: a dense Qwen3.5 text config (``Qwen3_5TextConfig``, or a config holding one).
         tokens (int): the longest step's tokens (one row).
-        gpu_bytes (float): the GPU memory the step may use. Default: ``H200_USABLE_BYTES``
-            (``usable_gpu_bytes(device)`` gives a device's).
+        gpu_bytes (float): the GPU memory the step may use (``usable_gpu_bytes``). Default: ``H200_USABLE_BYTES``.
         host_bytes (float, optional): the host memory the offload may take. Default:
             ``host_memory_available()``; where that is unknown, the plan does not offload.
-        host_reserve_bytes (float, optional): of ``host_bytes``, what the offload leaves free.
-            Default: ``default_host_reserve()``.
+        host_reserve_bytes (float, optional): of ``host_bytes``, what the offload leaves free. Default:
+            ``default_host_reserve()``.
         **model_settings: ``bytes_per_token``'s arguments (``lora_rank``, ``dtype_bytes``, ...).
 
     Returns:
-        LongContextPlan: the options, and the prediction; ``options()`` gives them as
-        ``apply_to_qwen3_5``'s arguments.
+        LongContextPlan: the options and the prediction; ``options()`` gives ``apply_to_qwen3_5``'s arguments.
 
     Raises:
         TypeError: ``config`` not a dense Qwen3.5 config, an argument not a number (``tokens`` not an int).
@@ -174,11 +163,10 @@ def plan_long_context(config, tokens: int, *, gpu_bytes: float = H200_USABLE_BYT
 def longest_planned_step(config, *, gpu_bytes: float = H200_USABLE_BYTES, host_bytes: float | None = None,
                          host_reserve_bytes: float | None = None, multiple: int = 1024,
                          **model_settings) -> LongContextPlan:
-    """The plan for the longest step, a multiple of ``multiple`` tokens, that ``plan_long_context``
-    predicts to fit: how long a step can train here.
+    """The plan for the longest step, a multiple of ``multiple`` tokens, that ``plan_long_context`` predicts to fit.
 
-    Found by doubling, then bisection: a step shorter than one that fits is taken to fit too. The
-    host memory is read once, so that every candidate is planned against the same.
+    Found by doubling, then bisection (a step shorter than one that fits is taken to fit), against host memory read
+    once, the same for every candidate.
 
     Args:
         config, gpu_bytes, host_bytes, host_reserve_bytes, **model_settings: as for ``plan_long_context``.
@@ -188,8 +176,7 @@ def longest_planned_step(config, *, gpu_bytes: float = H200_USABLE_BYTES, host_b
         LongContextPlan: that step's plan; where not even ``multiple`` tokens fit, theirs, with ``fits=False``.
 
     Raises:
-        TypeError, ValueError, NotImplementedError: as ``plan_long_context``; ``multiple`` not an int
-            (``TypeError``) or below 1 (``ValueError``).
+        TypeError, ValueError, NotImplementedError: as ``plan_long_context``; also for ``multiple``.
     """
     multiple = check_tile_tokens(multiple, "multiple", "the step's granularity in tokens")
     gpu_bytes = memory_bytes(gpu_bytes, "gpu_bytes")
@@ -221,10 +208,8 @@ def usable_gpu_bytes(device: torch.device | str | None = None) -> float:
     """The memory a step on ``device`` may use, as ``plan_long_context`` counts it.
 
     Args:
-        device (torch.device, str or int, optional): on a CUDA device, the memory still free plus what
-            this process's allocator holds already (the model's weights are in it, and the plan
-            counts them); elsewhere an H200's (a model on the CPU is planned for the reference GPU).
-            Default: the CPU.
+        device (torch.device, str or int, optional): on a CUDA device, the memory free plus what this process's
+            allocator holds (the weights, which the plan counts); elsewhere an H200's. Default: the CPU.
 
     Returns:
         float: the bytes.

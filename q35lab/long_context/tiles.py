@@ -1,9 +1,6 @@
-"""The sequence-tiling engine and the tiled MLP.
-
-A module that is per token, or whose only state along the sequence can be carried, is computed a
-tile of tokens at a time; the backward recomputes each tile from its saved input (and carry), so
-the backward holds one tile's intermediates instead of the sequence's. Exact: the same operations
-on the same rows."""
+"""The sequence-tiling engine and the tiled MLP: a module that is per token, or carries its only sequence state
+across tiles, runs a tile of tokens at a time, and its backward recomputes each tile from its saved input (and carry),
+holding one tile's intermediates instead of the sequence's. Exact: the same operations on the same rows."""
 
 from __future__ import annotations
 
@@ -22,17 +19,13 @@ from ..ops.swiglu_down import is_unread, unread_down_outputs
 
 
 class Tiles:
-    """What a tiled Function's backward needs besides tensors: the per-tile function, the tiling,
-    the autocast state of the forward and each tile's RNG state (plain attributes: never saved
-    tensors).
+    """What a tiled Function's backward needs besides tensors (plain attributes, never saved): the per-tile ``fn``,
+    the tiling, the forward's autocast state and each tile's RNG state.
 
-    ``fn`` is either a per-token map ``fn(piece) -> y`` (``scan=False``: the MLP), or a scan step
-    ``fn(piece, carry, (start, end)) -> (y, carry)`` (``scan=True``: the GatedDeltaNet), where
-    ``carry`` is None for the first tile and otherwise the tuple of tensors the previous tile
-    returned — what the sequence carries across a tile boundary. ``y`` may come as a tuple of
-    addends (a decoder layer's residual and its MLP's output): the forward writes their sum, and
-    the backward roots each on the same gradient, so that the MLP's output can stay uncomputed
-    (``_recompute_tile``)."""
+    ``fn`` is a per-token map ``fn(piece) -> y`` (``scan=False``) or a scan step ``fn(piece, carry, (start, end)) ->
+    (y, carry)`` (``scan=True``), ``carry`` being None for the first tile, else the tensors the previous one returned.
+    ``y`` may be a tuple of addends (a layer's residual and MLP output): the forward writes their sum, the backward
+    roots each on the same gradient so that the MLP's output can stay uncomputed (``_recompute_tile``)."""
 
     def __init__(self, fn, tile: int, preserve_rng_state: bool, device: torch.device, *, scan: bool = False,
                  name: str = "mlp_forward"):
@@ -70,8 +63,8 @@ def _device_module(device_type: str):
 
 
 def _autocast_state(device_type: str) -> dict:
-    """The autocast state of the forward, to be re-entered by the recompute (the backward runs on
-    another thread on CUDA, and outside the caller's ``autocast`` block on the CPU)."""
+    """The forward's autocast state, re-entered by the recompute (the backward runs on another thread on CUDA, and
+    outside the caller's ``autocast`` block on the CPU)."""
     state = {"cpu": dict(enabled=torch.is_autocast_enabled("cpu"), dtype=torch.get_autocast_dtype("cpu"),
                          cache_enabled=torch.is_autocast_cache_enabled())}
     if device_type != "cpu" and torch.amp.is_autocast_available(device_type):
@@ -90,10 +83,8 @@ def _autocast(state: dict):
 
 
 def _run_tiles(tiles: Tiles, x: torch.Tensor, record_rng: bool, keep_carries: bool = True) -> tuple[torch.Tensor, list]:
-    """``fn`` over each tile of ``x`` (along dim -2), written into one output. Returns the output
-    and the carry that entered each tile (None for the first tile, and for every tile of a
-    per-token map): the backward's recompute of tile i starts from carry i. Without a backward
-    to come (``keep_carries=False``) only the current carry is alive."""
+    """``fn`` over each tile of ``x`` (dim -2) into one output; returns it and the carry that entered each tile
+    (None for the first, and for a per-token map). ``keep_carries=False``: no backward to come, none kept."""
     tokens = x.shape[-2]
     out, carry, carries = None, None, []
     with shared_preparations():  # the projections' weight-only casts: built by the first tile, reused
@@ -102,8 +93,7 @@ def _run_tiles(tiles: Tiles, x: torch.Tensor, record_rng: bool, keep_carries: bo
                 tiles.record_rng()
             if keep_carries:
                 carries.append(carry)
-            # detached: a view made without grad of an input that requires it claims to require grad with no
-            # node behind it, which a module hook registering gradient hooks on inputs rejects (torch's ModuleTracker)
+            # detached: a no-grad view of an input requiring grad has no node, which ModuleTracker's input hooks reject
             piece = x[..., start:end, :].detach()
             y, carry = tiles.step(piece, carry, (start, end))
             y = summed(y)
@@ -139,16 +129,10 @@ def _carry_leaves(carry):
 
 
 class _StashInput(torch.autograd.Function):
-    """Saves the tiled MLP's input as its own autograd node, *before* any tile is computed.
-
-    Why a node of its own: under non-reentrant gradient checkpointing of the decoder layer, the
-    layer's recompute stops (early stop, PyTorch's default) as soon as the last tensor the
-    original forward saved has been saved again. In a Qwen3.5 layer that last tensor is the
-    MLP's input (the residual add after the MLP saves nothing). A Function's own
-    ``save_for_backward`` is packed only after its forward has returned, so the recompute would
-    run every tile's forward once more, for nothing; saved here, the pack comes first and the
-    recompute stops before the tiles.
-    """
+    """Saves the tiled node's input in a node of its own, before any tile runs. A non-reentrant checkpoint's
+    recompute stops (early stop, the default) once the last tensor the forward saved is saved again: in a Qwen3.5
+    layer the MLP's input, as the residual add after it saves nothing. A Function's own ``save_for_backward`` packs
+    only after its forward returns, so the recompute would rerun every tile; packed here first, it stops before them."""
 
     @staticmethod
     def forward(ctx, x):
@@ -161,23 +145,15 @@ class _StashInput(torch.autograd.Function):
 
 
 class TiledFunction(torch.autograd.Function):
-    """``y[..., s:e, :], c_i = fn(x[..., s:e, :], c_{i-1})`` for each tile ``[s, e)`` of the sequence.
+    """``y[..., s:e, :], c_i = fn(x[..., s:e, :], c_{i-1})`` for each tile ``[s, e)`` (a per-token map: no c).
 
-    Forward (grad disabled): each tile's output is written into one ``[..., T, N]`` buffer; no
-    tile's intermediates are kept, only the carries ``c_i`` entering each tile (saved tensors, so
-    that a gradient checkpoint around the caller drops and recomputes them like any other, unless
-    the call hides them from it: ``tiled_call``).
-    Backward, tiles in reverse (a per-token map's in order: they are independent): the RNG state
-    recorded before tile i's forward is restored, the tile is recomputed with grad under the
-    forward's autocast state from ``x[..., s:e, :]`` and ``c_{i-1}`` (fresh leaves), and
-    ``autograd.grad`` of (its slice of ``dy``, the gradient of the carry it handed on, from tile
-    i+1) gives its ``dx`` (written into one ``[..., T, H]`` buffer), the gradient of ``c_{i-1}``
-    (handed to tile i−1) and its parameter gradients, summed over tiles (in fp32 for 16-bit
-    parameters, cast once). Parameters are inputs of this node, so
-    ``autograd.grad`` of the loss with respect to them, gradient hooks and accumulation behave as
-    for the untiled module. A per-token map carries nothing and is the case ``c_i = None``.
-    Subclasses name the op (its second-derivative error says which).
-    """
+    Forward, without grad: one ``[..., T, N]`` output; only the carries entering each tile are saved (a checkpoint
+    around the caller drops and recomputes them, unless ``tiled_call`` hides them). Backward (``tiled_backward``),
+    tiles in reverse (a per-token map's in order): each is recomputed with grad from its rows and carry, under its
+    recorded RNG state and the forward's autocast, and ``autograd.grad`` of (its ``dy``, the gradient of the carry it
+    handed on) gives its ``dx``, its incoming carry's gradient and its parameter gradients, summed over tiles (fp32 for
+    16-bit parameters). Parameters are inputs of the node, so ``autograd.grad``, hooks and accumulation behave as
+    untiled. Subclasses name the op for the second-derivative error."""
 
     @staticmethod
     def forward(ctx, tiles: Tiles, x: torch.Tensor, *params: torch.Tensor):
@@ -199,19 +175,15 @@ def summed(y):
 
 
 def _recompute_tile(tiles: Tiles, piece: torch.Tensor, carry_in, span: tuple[int, int], index: int):
-    """Tile ``index``'s forward again, with grad, for its backward: ``(addends of y, carry)``.
+    """Tile ``index``'s forward again, with grad: ``(addends of y, carry)``.
 
-    ``y`` only roots the tile's backward (``autograd.grad(y, ..., dy)``), and a q35lab-patched MLP
-    makes it (or its last addend, in a decoder layer) with ``swiglu_down``, whose down GEMM's
-    backward needs ``dy`` alone: that GEMM is left uncomputed (``unread_down_outputs``), as the
-    untiled layer's checkpoint recompute stops before it (2·T·I·H FLOPs a layer). If the last addend
-    is anything but the unmodified output of the one GEMM skipped, something may have read the
-    uncomputed values: the tile runs again in full (its RNG state restored), its forward twice. A
-    scan's carry comes from the mixer, before the MLP."""
+    ``y`` only roots the backward, and the down GEMM of ``swiglu_down`` (a patched MLP's output, a layer's last
+    addend) needs only ``dy`` there, so it is skipped (``unread_down_outputs``), as the untiled checkpoint's recompute
+    skips it: 2·T·I·H FLOPs a layer. Unless exactly one GEMM was skipped and its output is the last addend unmodified
+    (two would mean chained MLPs, one reading the other's), the tile runs again in full, its RNG restored. A scan's
+    carry comes from the mixer, before the MLP."""
     with unread_down_outputs() as skipped:
         y, carry = tiles.step(piece, carry_in, span)
-    # exactly one skipped GEMM, and it is the last addend: with two (two MLPs chained), the first's
-    # uncomputed output would have fed the second
     if not skipped or (len(skipped) == 1 and is_unread(_addends(y)[-1], skipped)):
         return _addends(y), carry
     del y, carry  # the first pass's graph holds its saved tensors: not alive beside the second's
@@ -223,7 +195,7 @@ def _recompute_tile(tiles: Tiles, piece: torch.Tensor, carry_in, span: tuple[int
 
 
 def tiled_backward(ctx, grad_out):
-    """The backward of ``TiledFunction`` (see there): tiles in reverse, carries' gradients chained."""
+    """The backward of ``TiledFunction`` (see there)."""
     tiles = ctx.tiles
     saved = ctx.saved_tensors
     if tiles.stash is not None:
@@ -239,7 +211,6 @@ def tiled_backward(ctx, grad_out):
     bounds = tiles.bounds(x.shape[-2])
     with torch.random.fork_rng(devices=tiles.rng_devices, enabled=tiles.preserve_rng_state,
                                device_type=tiles.device_type if tiles.rng_devices else "cuda"), shared_preparations():
-        # a scan's carries chain the tiles backwards; a per-token map's are independent (in order)
         order = reversed(range(len(bounds))) if tiles.scan else range(len(bounds))
         for index in order:
             start, end = bounds[index]
@@ -247,8 +218,7 @@ def tiled_backward(ctx, grad_out):
                 tiles.restore_rng(index)
             with torch.enable_grad(), _autocast(tiles.autocast):
                 leaf = x[..., start:end, :].detach().requires_grad_(want_x)
-                # the tile reads a view of its leaf: a module hook that hooks its inputs' gradients (torch's
-                # ModuleTracker: FlopCounterMode) cannot hook a leaf inside autograd.grad
+                # a view: ModuleTracker (FlopCounterMode) hooks its inputs' gradients, which a leaf refuses in grad()
                 piece = leaf.view_as(leaf) if want_x else leaf
                 carry_in = _carry_leaves(carries[index])
                 addends, carry_out = _recompute_tile(tiles, piece, carry_in, (start, end), index)
@@ -289,7 +259,7 @@ def tiled_backward(ctx, grad_out):
 
 
 class TiledMLPFunction(TiledFunction):
-    """The tiled MLP's node: ``TiledFunction`` of a per-token map (no carry); ``tiled_mlp``."""
+    """``tiled_mlp``'s node: a per-token map."""
 
     @staticmethod
     @first_order_only
@@ -298,8 +268,7 @@ class TiledMLPFunction(TiledFunction):
 
 
 class TiledGDNFunction(TiledFunction):
-    """The tiled GatedDeltaNet's node: ``TiledFunction`` of a scan step whose carry is the conv's
-    last K−1 input rows and the recurrent state; ``tiled_gated_delta_net``."""
+    """``tiled_gated_delta_net``'s node: a scan carrying the conv's last K−1 input rows and the recurrent state."""
 
     @staticmethod
     @first_order_only
@@ -314,8 +283,7 @@ def check_tile_tokens(tile_tokens: object, name: str = "tile_tokens", what: str 
 
 
 def _parameters_of(fn) -> list[torch.Tensor] | None:
-    """The trainable parameters ``fn`` computes with, when it says (a module, a bound method of
-    one, or one of q35lab's forward objects holding ``.module``); else None."""
+    """The trainable parameters of the module ``fn`` is, is a bound method of, or holds as ``.module``; else None."""
     owner = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "module", getattr(fn, "__self__", None))
     if isinstance(owner, torch.nn.Module):
         return [p for p in owner.parameters() if p.requires_grad]
@@ -333,43 +301,25 @@ def _check_params(params) -> tuple:
 @opaque_to_compile  # Python callables inside an autograd Function, per-tile RNG state: eager code
 def tiled_mlp(mlp_forward, x: torch.Tensor, tile_tokens: int, *, params=None,
               preserve_rng_state: bool = True) -> torch.Tensor:
-    """``mlp_forward(x)`` computed ``tile_tokens`` positions of the sequence (dim -2) at a time.
+    """``mlp_forward(x)`` computed ``tile_tokens`` positions (dim -2) at a time, exactly.
 
-    ``mlp_forward`` maps ``[..., t, H]`` to ``[..., t, N]`` token by token (an MLP: transformers'
-    ``Qwen3_5MLP``, the patched one with its LoRA adapters, any per-token callable). It is run
-    once per tile in the forward, without grad, and once more per tile in the backward, with
-    grad; nothing but ``x`` is kept between the two. ``params``: the tensors whose gradients
-    flow through ``mlp_forward`` (default: the trainable parameters of the module it is, or is a
-    method of, or holds as ``.module``; a plain function must pass them, ``()`` if none).
+    ``mlp_forward`` maps ``[..., t, H]`` to ``[..., t, N]`` token by token (``Qwen3_5MLP``, patched or not, or any
+    per-token callable). Each tile runs without grad in the forward and again with grad in the backward, only ``x``
+    kept between: per token the backward holds ``x`` and ``dx`` (2H·e) instead of about (H + 4I)·e (e: activation
+    bytes, I: the MLP's width). ``params``: the tensors gradients flow to; default the trainable parameters of the
+    module ``mlp_forward`` is, is a method of, or holds as ``.module`` (a plain function passes them, ``()`` if none).
 
-    Memory, per token (e = activation bytes, I = the MLP's width): the untiled MLP's backward
-    holds about (H + 4I)·e; tiled, the sequence holds only ``x`` and ``dx`` (2H·e), the rest one
-    tile at a time.
+    Under the layer's non-reentrant checkpoint the MLP FLOPs are the untiled MLP's: the layer's recompute stops at
+    ``x`` (``_StashInput``) and the tiles' skips a patched MLP's down GEMM (``_recompute_tile``). One down projection
+    more a tile where it is not ``swiglu_down``'s frozen GEMM (PEFT's or transformers' forward, ``lora=False``, a
+    trainable down weight, down-adapter dropout, a hook on ``down_proj``, autocast to another dtype); each tile's
+    forward twice for a callable that reads the skipped output; one MLP forward more without a checkpoint or with
+    ``set_checkpoint_early_stop(False)``.
 
-    Passes under the decoder layer's (non-reentrant) gradient checkpointing: forward 1 (tiles, no
-    grad), the layer's recompute 0 (it stops at the saving of ``x``, which is made the layer's
-    last saved tensor on purpose, see ``_StashInput``), backward 1 forward + 1 backward per tile,
-    the forward without a q35lab-patched MLP's down GEMM (``_recompute_tile``) — the same MLP FLOPs
-    as the untiled MLP under checkpointing, whose recompute stops before that GEMM. An MLP whose
-    down projection is not ``swiglu_down``'s frozen GEMM recomputes it, one down projection more a
-    tile: PEFT's or transformers' own forward (``lora=False``), a trainable down weight, dropout on
-    the down adapter, a hook on ``down_proj``, a compute dtype other than the weights' under
-    autocast. A callable that reads the skipped output runs each tile's forward twice in backward.
-    With early stop disabled (``torch.utils.checkpoint.set_checkpoint_early_stop(False)``) the
-    recompute runs the tiles' forward too: correct, one MLP forward more. Without outer
-    checkpointing the tiling costs one MLP forward more than the untiled MLP.
-
-    Dropout (LoRA dropout in train mode): the CPU RNG state and the input device's are recorded
-    before each tile's forward and restored before its recompute, so each tile's masks are the
-    same in both (as ``torch.utils.checkpoint``'s ``preserve_rng_state``); the global RNG state
-    after the backward is left as it was (``fork_rng``). The masks differ from the untiled MLP's
-    (a tile draws its own), as with any change of batch shape. Autocast: the forward's state is
-    re-entered by the recompute. Frozen or trainable parameters, ``retain_graph`` and
-    ``autograd.grad`` work; a second derivative raises (first order only).
-
-    ``tile_tokens`` ≥ T, no tokens, or nothing requiring grad under grad mode: ``mlp_forward(x)``
-    as it is (the last without grad: tile by tile).
-    """
+    Dropout: each tile's CPU and device RNG state is replayed in its recompute, the global state restored after; masks
+    differ from the untiled MLP's, as with any batch shape. Autocast is re-entered; ``retain_graph`` and
+    ``autograd.grad`` work; a second derivative raises. ``tile_tokens`` ≥ T, T = 0 or nothing requiring grad:
+    ``mlp_forward(x)`` as it is (the last tile by tile, without grad)."""
     if not callable(mlp_forward):
         raise TypeError(f"mlp_forward: expected a callable, got {type(mlp_forward).__name__}")
     if not isinstance(x, torch.Tensor):
@@ -392,13 +342,10 @@ def tiled_mlp(mlp_forward, x: torch.Tensor, tile_tokens: int, *, params=None,
 
 def tiled_call(function: type, tiles: Tiles, x: torch.Tensor, params, stash: bool,
                 hide_saved: bool = False) -> torch.Tensor:
-    """``function.apply(tiles, x, *params)`` where a backward will need it (``x`` saved first by its
-    own node if ``stash``: ``_StashInput``); without one, tile by tile without grad.
-
-    ``hide_saved``: what the node saves (the carries; ``x`` where it is not stashed) is packed as it
-    is, under saved-tensor hooks of its own, which a gradient checkpoint's or the offload's around
-    the caller do not see: the checkpoint's recompute then has nothing of the node's to rebuild and
-    stops at the stash, and the carries are freed when the node's backward has run."""
+    """``function.apply(tiles, x, *params)``, ``x`` first saved by its own node if ``stash`` (``_StashInput``); with
+    no backward to come, tile by tile without grad. ``hide_saved``: what the node saves is packed as is, under hooks
+    of its own that a checkpoint's or the offload's around the caller do not see, so the checkpoint's recompute stops
+    at the stash and the carries are freed once the node's backward has run."""
     if not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))):
         with torch.no_grad():
             return _run_tiles(tiles, x, record_rng=False, keep_carries=False)[0]
@@ -416,15 +363,10 @@ def _as_is(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class TiledForward(Forward):
-    """A module's instance-level forward that tiles the forward it replaced (q35lab's patched one,
-    or the class's own), which it calls for what it does not tile. An object holding its module,
-    as q35lab's other forwards (see ``q35lab.patch.Forward``): ``copy.deepcopy`` binds the copy
-    to the copied module, ``pickle`` stores it by class."""
+    """A module's instance-level forward that tiles the forward it replaced (``inner``, else the class's), which it
+    calls for what it does not tile; a ``Forward``, so it deep-copies and pickles with its module."""
 
-
-    #: a step of at most this many tokens (rows × sequence) runs untiled whatever the tile
-    #: (``tile_only_above``: the longest step the memory model predicts to fit untiled); 0: every
-    #: sequence longer than a tile is tiled
+    #: steps of at most this many tokens (rows × sequence) run untiled (``tile_only_above``); 0: none
     untiled_up_to = 0
 
     def __init__(self, module: torch.nn.Module, tile_tokens: int, inner=None):
@@ -432,13 +374,11 @@ class TiledForward(Forward):
         self.tile_tokens = check_tile_tokens(tile_tokens)
         self.inner = inner  # the instance-level forward replaced (None: the class's)
 
-
     def _details(self) -> str:
         return f", {self.tile_tokens} tokens a tile"
 
     def nothing_to_tile(self, x, args: tuple) -> str | None:
-        """Why a call of a sequence module (``x`` [B, T, H], its only positional argument) has
-        nothing to tile, or None: another call signature, one tile's tokens, or no backward to come."""
+        """Why a call (``x`` [B, T, H], the only positional argument) has nothing to tile, or None."""
         if len(args) > 1 or not isinstance(x, torch.Tensor) or x.dim() != 3:
             return "a call the tiles do not take"
         if x.shape[1] <= self.tile_tokens:
@@ -468,8 +408,8 @@ class TiledMLPForward(TiledForward):
 
 
 def put_tiled_forward(module: torch.nn.Module, tile_tokens: int, forward_class: type) -> bool:
-    """Give ``module`` a ``forward_class`` around its current forward; True if it had none (an
-    existing one just takes the new tile size, and tiles every sequence longer than it again)."""
+    """Give ``module`` a ``forward_class`` around its current forward; True if it had none (an existing one takes
+    the new tile size, and tiles every sequence longer than it again)."""
     tile_tokens = check_tile_tokens(tile_tokens)
     current = vars(module).get("forward")
     if isinstance(current, forward_class):
@@ -492,9 +432,8 @@ def take_tiled_forward(module: torch.nn.Module, forward_class: type) -> bool:
 
 
 def tile_mlp(mlp: torch.nn.Module, tile_tokens: int) -> bool:
-    """Give ``mlp`` a ``TiledMLPForward`` around its current forward; True if it had none (an
-    existing one just takes the new tile size). Call after any patch that sets the MLP's forward
-    (``apply_to_qwen3_5``'s swiglu), and ``untile_mlp`` before undoing that patch."""
+    """``put_tiled_forward`` of a ``TiledMLPForward``: call after any patch that sets the MLP's forward (swiglu), and
+    ``untile_mlp`` before undoing it."""
     return put_tiled_forward(mlp, tile_tokens, TiledMLPForward)
 
 
@@ -513,11 +452,9 @@ def untile_mlps(model: torch.nn.Module) -> int:
 
 
 def tile_only_above(model: torch.nn.Module, tokens: int) -> int:
-    """Let every tiled MLP, GatedDeltaNet and decoder layer of ``model`` run untiled in a step of at
-    most ``tokens`` tokens (rows × sequence), tiling only longer ones.
-
-    Tiles trade launches for memory; ``apply_to_qwen3_5(long_context=N)`` sets this to the longest
-    step its plan predicts to fit untiled (``LongContextPlan.untiled_up_to``).
+    """Let every tiled MLP, GatedDeltaNet and decoder layer of ``model`` run untiled in a step of at most ``tokens``
+    tokens (rows × sequence): tiles trade launches for memory. ``apply_to_qwen3_5(long_context=N)`` sets it to the
+    plan's ``untiled_up_to``.
 
     Args:
         model (nn.Module): a model patched with tiles.

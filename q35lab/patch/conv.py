@@ -14,12 +14,10 @@ from ..hf.gated_delta_net import (
     CONV_SWITCHES,
     DELTA_RULE_SWITCHES,
     RECURRENT_SWITCHES,
-    CausalConv,
     ConvSwitch,
     DeltaRuleSwitch,
     RecurrentSwitch,
     conv_problem,
-    conv_style,
     core_groups_key_heads,
     core_is_fla,
     package_installed,
@@ -51,10 +49,6 @@ def patch_conv(gdn: torch.nn.Module, report: PatchReport) -> None:
         report.already_patched += 1
     elif problem:
         report.left_alone[f"{label}: {problem}"] += 1
-    elif conv_style(gdn) == "attribute":
-        gdn.causal_conv1d_fn = CausalConv()
-        object.__setattr__(gdn, CONV, "attribute")
-        report.replaced[label] += 1
     else:
         module = sys.modules[type(gdn).__module__]
         switch_in(module, "causal_conv1d_fn", CONV_SWITCHES, ConvSwitch)
@@ -64,13 +58,7 @@ def patch_conv(gdn: torch.nn.Module, report: PatchReport) -> None:
 
 
 def unpatch_conv(gdn: torch.nn.Module, report: PatchReport) -> None:
-    style = marked(gdn, CONV)
-    if style == "attribute":
-        gdn.causal_conv1d_fn = None
-        object.__delattr__(gdn, CONV)
-        report.reverted[f"{type(gdn).__name__} causal conv1d"] += 1
-    elif style is not None:
-        restore_forward(gdn, CONV, f"{type(gdn).__name__} causal conv1d", report)
+    restore_forward(gdn, CONV, f"{type(gdn).__name__} causal conv1d", report)
 
 
 def skip_key_head_repeat(gdn: torch.nn.Module, report: PatchReport) -> None:

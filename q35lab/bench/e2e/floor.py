@@ -296,19 +296,16 @@ def delta_rule_alone_ms(model, T: int) -> float:
 
 def core_call(model, tokens: int = 64) -> dict | None:
     """How this model's first GatedDeltaNet calls its delta-rule core, read from one short forward
-    (``tokens`` tokens, no grad): the function (the layer's own attribute on transformers < 5.20
-    where set, else its modeling module's ``torch_chunk_gated_delta_rule``), the (heads, dim) of q,
-    k and v as passed (some versions repeat q and k to the value heads first), and the keyword
-    arguments other than the tensors and the recurrent state. None without such a layer."""
+    (``tokens`` tokens, no grad): the function (its modeling module's ``torch_chunk_gated_delta_rule``),
+    the (heads, dim) of q, k and v as passed (some versions repeat q and k to the value heads first),
+    and the keyword arguments other than the tensors and the recurrent state. None without such a layer."""
     from ...hf.gated_delta_net import modeling_module
     from ...hf.modules import is_gated_delta_net
 
     gdn = next((m for m in model.modules() if is_gated_delta_net(m)), None)
     if gdn is None:
         return None
-    # where long_context._core_function looks: the layer's own attribute, else its modeling module's
-    owners = [(gdn, "chunk_gated_delta_rule")] if callable(vars(gdn).get("chunk_gated_delta_rule")) else []
-    owners.append((modeling_module(gdn), "torch_chunk_gated_delta_rule"))
+    owners = [(modeling_module(gdn), "torch_chunk_gated_delta_rule")]
     seen = []
 
     def recorder(function):

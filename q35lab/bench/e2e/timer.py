@@ -9,9 +9,9 @@ import time
 
 import torch
 
-#: Names under which transformers' Qwen3.5 holds the delta-rule core and the causal convolution:
-#: module functions (transformers ≥ 5.20) or GatedDeltaNet attributes (earlier versions).
-CORE_FUNCTIONS = ("torch_chunk_gated_delta_rule", "chunk_gated_delta_rule", "causal_conv1d_fn")
+#: The functions of transformers' Qwen3.5 modeling module that compute the delta-rule core and the
+#: causal convolution.
+CORE_FUNCTIONS = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
 
 
 class _Stamp:
@@ -104,25 +104,18 @@ class RegionTimer:
 
     @contextlib.contextmanager
     def functions(self, model, names=CORE_FUNCTIONS):
-        """Wrap ``names`` where this transformers version keeps them (the Qwen3.5 modeling module,
-        or attributes of each GatedDeltaNet); yields how many were wrapped; undone on exit."""
+        """Wrap the Qwen3.5 modeling module's functions ``names``; yields how many were wrapped;
+        undone on exit."""
         from transformers.models.qwen3_5 import modeling_qwen3_5
 
-        targets = [(modeling_qwen3_5, name) for name in names]
-        targets += [(m, name) for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")
-                    for name in names if name in vars(m)]
         undo = []
-        for owner, name in targets:
-            fn = getattr(owner, name, None)
+        for name in names:
+            fn = getattr(modeling_qwen3_5, name, None)
             if callable(fn):
-                setattr(owner, name, self.wrap(fn))
-                undo.append((owner, name, fn))
-        # versions that keep causal_conv1d_fn = None on the layer run its nn.Conv1d instead
-        convs = [m.conv1d for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")
-                 and "causal_conv1d_fn" in vars(m) and vars(m)["causal_conv1d_fn"] is None and hasattr(m, "conv1d")]
+                setattr(modeling_qwen3_5, name, self.wrap(fn))
+                undo.append((modeling_qwen3_5, name, fn))
         try:
-            with self.modules(convs):
-                yield len(undo) + len(convs)
+            yield len(undo)
         finally:
             for owner, name, fn in undo:
                 setattr(owner, name, fn)
