@@ -927,7 +927,7 @@ def test_a_patched_model_with_tiled_gated_delta_nets_without_checkpointing_same_
     model = _model(targets="all-linear", checkpointing=False)
     q35lab.apply_to_qwen3_5(model, tiled_gdn=5, tiled_mlp=4)
     tiles = _count_tiles(_gdn(model))
-    _assert_tiled_step(_step_without_cache(model, ids), expected, ref64, _fla_runs(model), rtol=1e-4, atol=1e-6)
+    _assert_tiled_step(_step_without_cache(model, ids), expected, ref64, _fla_runs(model), rtol=1e-4, atol=1e-5)
     assert tiles == [5, 4, 4, 5]  # each tile twice: forward, backward
     with torch.no_grad():  # eval / no grad: the module's own forward, one call
         tiles.clear()
@@ -1440,7 +1440,7 @@ def test_the_tiled_gated_delta_net_layer_under_checkpointing_runs_each_tile_twic
     tiles = _count_tiles(_gdn(model))
     with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
         got = _padded_step(model, ids, mask)
-    _assert_tiled_step(got, expected, ref64, _fla_runs(model), rtol=1e-4, atol=1e-6)
+    _assert_tiled_step(got, expected, ref64, _fla_runs(model), rtol=1e-4, atol=1e-5)
     passes = [5, 5, 3] + ([] if early_stop else [5, 5, 3]) + [3, 5, 5]
     assert tiles == passes
 
@@ -1480,7 +1480,7 @@ def test_the_tiled_layers_carries_are_hidden_from_the_offload_and_freed_by_its_b
         gc.collect()
         assert all(ref() is None for ref in carries)  # freed by the backward, though `loss` lives on
     got = loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    _assert_tiled_step(got, expected, ref64, _fla_runs(model), rtol=1e-4, atol=1e-6)
+    _assert_tiled_step(got, expected, ref64, _fla_runs(model), rtol=1e-4, atol=1e-5)
     assert offloader.stats["offloaded"] == model.config.num_hidden_layers  # one [B, T, H] input a layer, no carry
     assert "GatedDeltaNet and MLP tiled together" in str(report)
 
@@ -1616,7 +1616,7 @@ def test_a_tiled_model_steps_under_torchs_flop_counter_with_the_same_loss_and_gr
         with FlopCounterMode(display=False) as flops:
             counted[tile] = _step(model, ids), flops.get_total_flops()
     (untiled, untiled_flops), (tiled, tiled_flops) = counted[None], counted[4]
-    _assert_tiled_step(tiled, untiled, ref64, _fla_runs(model), rtol=1e-4, atol=1e-6)
+    _assert_tiled_step(tiled, untiled, ref64, _fla_runs(model), rtol=1e-4, atol=1e-5)
     # the GatedDeltaNet tiled alone runs each tile's forward three times under the layer's checkpoint, the
     # untiled one twice
     assert untiled_flops > 0 and tiled_flops > untiled_flops
