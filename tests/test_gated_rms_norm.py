@@ -189,7 +189,7 @@ def test_zero_width_and_zero_rows_give_what_the_reference_gives(shape):
 
 
 def test_compiled_function_matches_eager():
-    """gated_rms_norm is a graph break: the code around it compiles, the op runs eagerly."""
+    """gated_rms_norm is a custom op (ops/_compile.py): one graph with the code around it."""
     torch._dynamo.reset()
     w = (1 + 0.1 * torch.randn(64, device=device())).requires_grad_()
     x = torch.randn(2, 6, 64, device=device(), requires_grad=True)
@@ -199,7 +199,7 @@ def test_compiled_function_matches_eager():
         return gated_rms_norm(x * 0.5 + 1, torch.sigmoid(z) * z, w, rounding="fused").square().mean(-1)
 
     results = []
-    for fn in (layer, torch.compile(layer, backend="aot_eager")):
+    for fn in (layer, torch.compile(layer, backend="aot_eager", fullgraph=True)):
         y = fn(x, z)
         results.append((y.detach(), *torch.autograd.grad(y.sum(), [x, z, w])))
     for a, b in zip(*results):
@@ -208,6 +208,128 @@ def test_compiled_function_matches_eager():
 
     assert list(inspect.signature(gated_rms_norm).parameters) == ["x", "gate", "weight", "eps", "rounding"]
     assert gated_rms_norm.__doc__.startswith("Gated RMSNorm:")
+
+
+# --------------------------------------------------------------------------------------------
+# The custom ops q35lab::gated_rms_norm_fwd / _bwd: what torch.compile traces through.
+# --------------------------------------------------------------------------------------------
+def _rows(shape, dtype, strided=False):
+    """Fresh values of ``shape``; ``strided``: a transposed view (no unit column stride)."""
+    if not strided:
+        return torch.randn(shape, device=device()).to(dtype)
+    return torch.randn(*shape[:-2], shape[-1], shape[-2], device=device()).to(dtype).transpose(-1, -2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,strided", [((1, 64), False), ((7, 37), False), ((2, 3, 100), False), ((5, 48), True)],
+                         ids=["1x64", "7x37", "2x3x100", "5x48-transposed"])
+def test_custom_ops_pass_opcheck(shape, dtype, strided):
+    """Schema (no mutation, no alias), fake against real, autograd registration, AOT dispatch with
+    dynamic shapes: forward in both roundings with a trainable and a frozen weight, backward with and
+    without dW."""
+    fwd, bwd = torch.ops.q35lab.gated_rms_norm_fwd.default, torch.ops.q35lab.gated_rms_norm_bwd.default
+    x, gate = _rows(shape, dtype, strided).requires_grad_(), (2 * _rows(shape, dtype)).requires_grad_()
+    w = (1 + 0.2 * torch.randn(shape[-1], device=device())).to(dtype)
+    for rounding, trainable in (("hf", True), ("fused", False)):
+        torch.library.opcheck(fwd, (x, gate, w.clone().requires_grad_(trainable), 1e-6, rounding))
+    x2d, g2d = (t.detach().reshape(-1, shape[-1]).contiguous() for t in (x, gate))
+    dy2d = torch.randn(x2d.shape, device=device()).to(dtype)
+    for rounding, compute_dw in (("hf", False), ("fused", True)):
+        torch.library.opcheck(bwd, (dy2d, x2d, g2d, w, 1e-6, rounding, compute_dw))
+
+
+def _layer(norm, rounding):
+    """A linear, the norm gated by a function of z, a sine: code around the op for the compiler to fuse."""
+    return lambda x, lin, z, w: torch.sin(norm(x @ lin.t(), z * 2, w, 1e-6, rounding)) * 2
+
+
+def _value_and_grads(fn, inputs, dy):
+    y = fn(*inputs)
+    return (y, *torch.autograd.grad(y, [t for t in inputs if t.requires_grad], dy))
+
+
+def _compile_cases():
+    """aot_eager for each dtype and weight (both roundings for each dtype); inductor (seconds a
+    compile on a CPU) for two of them."""
+    import shutil
+
+    no_cxx = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
+                                reason="inductor on a CPU needs a C++ compiler")
+    cases = [("aot_eager", torch.float32, True, "hf"), ("aot_eager", torch.float32, False, "fused"),
+             ("aot_eager", torch.bfloat16, True, "fused"), ("aot_eager", torch.bfloat16, False, "hf"),
+             ("inductor", torch.float32, True, "fused"), ("inductor", torch.bfloat16, False, "hf")]
+    return [pytest.param(*case, marks=no_cxx if case[0] == "inductor" else (),
+                         id=f"{case[0]}-{str(case[1])[6:]}-{'trainable' if case[2] else 'frozen'}_w-{case[3]}")
+            for case in cases]
+
+
+@pytest.mark.parametrize("backend,dtype,trainable,rounding", _compile_cases())
+def test_fullgraph_compile_matches_eager_by_the_rule(backend, dtype, trainable, rounding, monkeypatch):
+    """fullgraph=True (a graph break would raise) over three shapes (the second compiles with
+    dynamic shapes, the third is one row); output and every gradient by the numerics rule against
+    eager and fp64. The launch configuration is chosen when the compiled code runs."""
+    from q35lab.ops import gated_rms_norm as op
+
+    widths = []
+    monkeypatch.setattr(op, "launch_config", lambda n, choose=op.launch_config: widths.append(n) or choose(n))
+    torch._dynamo.reset()
+    compiled = torch.compile(_layer(gated_rms_norm, rounding), fullgraph=True, backend=backend)
+    for lead in [(3, 5), (2, 7), (1, 1)]:
+        x = torch.randn(*lead, 24, device=device()).to(dtype).requires_grad_()
+        lin = (0.2 * torch.randn(40, 24, device=device())).to(dtype).requires_grad_()
+        z = torch.randn(*lead, 40, device=device()).to(dtype).requires_grad_()
+        w = (1 + 0.2 * torch.randn(40, device=device())).to(dtype).requires_grad_(trainable)
+        dy = torch.randn(*lead, 40, device=device()).to(dtype)
+        inputs = (x, lin, z, w)
+        inputs64 = [t.detach().double().requires_grad_(t.requires_grad) for t in inputs]
+        got = _value_and_grads(compiled, inputs, dy)
+        eager = _value_and_grads(_layer(gated_rms_norm, rounding), inputs, dy)
+        exact = _value_and_grads(_layer(gated_rms_norm_ref, rounding), inputs64, dy.double())
+        assert len(got) == (5 if trainable else 4)
+        for name, a, b, c in zip(["y", "dx", "dlin", "dgate", "dw"], got, eager, exact):
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            assert_close_by_rule(name, a, b, c)
+    assert set(widths) == {40}
+
+
+def test_compiled_function_is_one_graph_holding_both_custom_ops():
+    """explain: no graph break; the forward graph calls the forward op, the backward graph the backward op."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    x = torch.randn(4, 3, 24, device=device(), requires_grad=True)
+    lin = torch.randn(40, 24, device=device(), requires_grad=True)
+    z = torch.randn(4, 3, 40, device=device(), requires_grad=True)
+    w = (1 + 0.1 * torch.randn(40, device=device())).requires_grad_()
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(_layer(gated_rms_norm, "hf"))(x, lin, z, w)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
+
+    graphs = {}
+
+    def keep(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind] = {node.target for node in gm.graph.nodes}
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    torch._dynamo.reset()
+    compiled = torch.compile(_layer(gated_rms_norm, "hf"), fullgraph=True,
+                             backend=aot_autograd(fw_compiler=keep("fwd"), bw_compiler=keep("bwd")))
+    compiled(x, lin, z, w).sum().backward()
+    assert torch.ops.q35lab.gated_rms_norm_fwd.default in graphs["fwd"]
+    assert torch.ops.q35lab.gated_rms_norm_bwd.default in graphs["bwd"]
+
+
+def test_a_second_derivative_through_the_compiled_op_raises():
+    """Eager raises q35lab's error (test_module_behaviour); a compiled graph refuses double backward first."""
+    x, z = (torch.randn(3, 40, device=device(), requires_grad=True) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(40, device=device())).requires_grad_()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, z, w: gated_rms_norm(x, z, w).sin(), fullgraph=True, backend="aot_eager")
+    grads = torch.autograd.grad(compiled(x, z, w).sum(), [x, z, w], create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        sum(g.sum() for g in grads).backward()
 
 
 def test_one_launch_configuration_mechanism(monkeypatch):

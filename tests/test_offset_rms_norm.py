@@ -212,7 +212,7 @@ def _compilers():
 
 @pytest.mark.parametrize("backend", _compilers())
 def test_compiled_model_and_function_match_eager(backend):
-    """The op is a graph break (ops/_compile.py): compiled code around it, the op eager."""
+    """The op is a custom op (ops/_compile.py): one graph with the code around it, no graph break."""
     torch._dynamo.reset()
     model = torch.nn.Sequential(torch.nn.Linear(16, 40), OffsetRMSNorm(40)).to(device())
     with torch.no_grad():
@@ -237,8 +237,8 @@ def test_compiled_model_and_function_match_eager(backend):
     # inductor's own fp32 code (vectorised tanh/exp, fused sums) rounds otherwise than eager's, so
     # the compiled results are held to the numerics rule against fp64 (a fixed 3e-4 failed one seed)
     function = function_of(model)
-    for eager, compiled, exact in ((model, torch.compile(model, backend=backend), model_ref64),
-                                   (function, torch.compile(function, backend=backend),
+    for eager, compiled, exact in ((model, torch.compile(model, backend=backend, fullgraph=True), model_ref64),
+                                   (function, torch.compile(function, backend=backend, fullgraph=True),
                                     function_of(model64, offset_rms_norm_ref))):
         refs, refs64 = step(eager), step(exact, model64, x64)
         for name, b, a, a64 in zip(["y", "dx", "dW0", "db0", "dw"], step(compiled), refs, refs64):
@@ -246,6 +246,134 @@ def test_compiled_model_and_function_match_eager(backend):
                 assert b is None and a64 is None, name
                 continue
             assert_close_by_rule(name, b, a, a64)
+
+
+# --------------------------------------------------------------------------------------------
+# The custom ops q35lab::offset_rms_norm_fwd / _bwd: what torch.compile traces through.
+# --------------------------------------------------------------------------------------------
+def _rows(shape, dtype, strided=False):
+    """Fresh values of ``shape``; ``strided``: a transposed view (no unit column stride)."""
+    if not strided:
+        return torch.randn(shape, device=device()).to(dtype)
+    return torch.randn(*shape[:-2], shape[-1], shape[-2], device=device()).to(dtype).transpose(-1, -2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,strided", [((1, 64), False), ((7, 37), False), ((2, 3, 100), False), ((5, 48), True)],
+                         ids=["1x64", "7x37", "2x3x100", "5x48-transposed"])
+def test_custom_ops_pass_opcheck(shape, dtype, strided):
+    """Schema (no mutation, no alias), fake against real, autograd registration, AOT dispatch with
+    dynamic shapes: forward with a trainable and a frozen weight, backward with and without dW."""
+    fwd, bwd = torch.ops.q35lab.offset_rms_norm_fwd.default, torch.ops.q35lab.offset_rms_norm_bwd.default
+    x = _rows(shape, dtype, strided).requires_grad_()
+    w = (0.1 * torch.randn(shape[-1], device=device())).to(dtype)
+    for trainable in (True, False):
+        torch.library.opcheck(fwd, (x, w.clone().requires_grad_(trainable), 1e-6))
+    x2d = x.detach().reshape(-1, shape[-1]).contiguous()
+    _, rstd = fwd(x2d, w, 1e-6)
+    dy2d = torch.randn(x2d.shape, device=device()).to(dtype)
+    for compute_dw in (True, False):
+        torch.library.opcheck(bwd, (dy2d, x2d, w, rstd, compute_dw))
+
+
+def _layer(norm):
+    """A linear, the norm, a sine: code around the op for the compiler to fuse."""
+    return lambda x, lin, w: torch.sin(norm(x @ lin.t(), w)) * 2
+
+
+def _value_and_grads(fn, inputs, dy):
+    y = fn(*inputs)
+    return (y, *torch.autograd.grad(y, [t for t in inputs if t.requires_grad], dy))
+
+
+def _compile_cases():
+    """aot_eager for each dtype and weight; inductor (seconds a compile on a CPU) for two of them."""
+    dtypes = (torch.float32, torch.bfloat16)
+    cases = [("aot_eager", dtype, trainable) for dtype in dtypes for trainable in (True, False)]
+    cases += [("inductor", torch.float32, True), ("inductor", torch.bfloat16, False)]
+    marks = {"aot_eager": (), "inductor": _compilers()[1].marks}
+    return [pytest.param(backend, dtype, trainable, marks=marks[backend],
+                         id=f"{backend}-{str(dtype)[6:]}-{'trainable' if trainable else 'frozen'}_w")
+            for backend, dtype, trainable in cases]
+
+
+@pytest.mark.parametrize("backend,dtype,trainable", _compile_cases())
+def test_fullgraph_compile_matches_eager_by_the_rule(backend, dtype, trainable, monkeypatch):
+    """fullgraph=True (a graph break would raise) over three shapes (the second compiles with
+    dynamic shapes, the third is one row); output and every gradient by the numerics rule against
+    eager and fp64. The launch configuration is chosen when the compiled code runs."""
+    from q35lab.ops import offset_rms_norm as op
+
+    widths = []
+    monkeypatch.setattr(op, "launch_config", lambda n, choose=op.launch_config: widths.append(n) or choose(n))
+    torch._dynamo.reset()
+    compiled = torch.compile(_layer(offset_rms_norm), fullgraph=True, backend=backend)
+    for lead in [(3, 5), (2, 7), (1, 1)]:
+        x = torch.randn(*lead, 24, device=device()).to(dtype).requires_grad_()
+        lin = (0.2 * torch.randn(40, 24, device=device())).to(dtype).requires_grad_()
+        w = (0.1 * torch.randn(40, device=device())).to(dtype).requires_grad_(trainable)
+        dy = torch.randn(*lead, 40, device=device()).to(dtype)
+        inputs64 = [t.detach().double().requires_grad_(t.requires_grad) for t in (x, lin, w)]
+        got = _value_and_grads(compiled, (x, lin, w), dy)
+        eager = _value_and_grads(_layer(offset_rms_norm), (x, lin, w), dy)
+        exact = _value_and_grads(_layer(offset_rms_norm_ref), inputs64, dy.double())
+        assert len(got) == (4 if trainable else 3)
+        for name, a, b, c in zip(["y", "dx", "dlin", "dw"], got, eager, exact):
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            assert_close_by_rule(name, a, b, c)
+    assert set(widths) == {40}
+
+
+def test_fullgraph_compile_with_eps_an_argument():
+    """A second eps makes Dynamo keep it symbolic: the checks trace, the op recompiles for each value."""
+    x = torch.randn(5, 37, device=device())
+    w = 0.1 * torch.randn(37, device=device())
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w, eps: offset_rms_norm(x, w, eps), fullgraph=True, backend="aot_eager")
+    for eps in (1e-6, 1e-2, 0.5):
+        assert torch.equal(compiled(x, w, eps), offset_rms_norm(x, w, eps))
+    # a wrong eps still raises the check's error (fullgraph=True would wrap it in Dynamo's)
+    with pytest.raises(ValueError, match="eps: expected a positive finite number"):
+        torch.compile(lambda x, w, eps: offset_rms_norm(x, w, eps), backend="aot_eager")(x, w, float("nan"))
+
+
+def test_compiled_function_is_one_graph_holding_both_custom_ops():
+    """explain: no graph break; the forward graph calls the forward op, the backward graph the backward op."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    x = torch.randn(4, 3, 24, device=device(), requires_grad=True)
+    lin = torch.randn(40, 24, device=device(), requires_grad=True)
+    w = (0.1 * torch.randn(40, device=device())).requires_grad_()
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(_layer(offset_rms_norm))(x, lin, w)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
+
+    graphs = {}
+
+    def keep(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind] = {node.target for node in gm.graph.nodes}
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    torch._dynamo.reset()
+    compiled = torch.compile(_layer(offset_rms_norm), fullgraph=True,
+                             backend=aot_autograd(fw_compiler=keep("fwd"), bw_compiler=keep("bwd")))
+    compiled(x, lin, w).sum().backward()
+    assert torch.ops.q35lab.offset_rms_norm_fwd.default in graphs["fwd"]
+    assert torch.ops.q35lab.offset_rms_norm_bwd.default in graphs["bwd"]
+
+
+def test_a_second_derivative_through_the_compiled_op_raises():
+    """Eager raises q35lab's error (test_module_behaviour); a compiled graph refuses double backward first."""
+    x = torch.randn(3, 40, device=device(), requires_grad=True)
+    w = (0.1 * torch.randn(40, device=device())).requires_grad_()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w: offset_rms_norm(x, w).sin(), fullgraph=True, backend="aot_eager")
+    grads = torch.autograd.grad(compiled(x, w).sum(), [x, w], create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        sum(g.sum() for g in grads).backward()
 
 
 def test_public_function_keeps_its_signature_and_docstring():

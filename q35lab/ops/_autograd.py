@@ -17,9 +17,10 @@ import torch
 __all__ = ["first_order_only", "graph_is_kept"]
 
 
-def first_order_only(backward):
-    """Decorate an autograd Function's ``backward``: first derivatives only, loudly."""
-    op = backward.__qualname__.split(".")[0]
+def first_order_only(backward, op: str | None = None):
+    """Decorate an autograd Function's ``backward``: first derivatives only, loudly. ``op``: the
+    name the error gives (a custom op's backward has no class), else the class that holds ``backward``."""
+    op = op or backward.__qualname__.split(".")[0]
     message = (f"q35lab: {op} has no second derivative (its backward runs Triton kernels); "
                "for double backward or create_graph=True, run this part of the model unpatched "
                "(q35lab.revert, or apply_to_qwen3_5 with this optimization's flag off)")

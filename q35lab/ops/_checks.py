@@ -102,7 +102,8 @@ def check_real(name: str, value: object, *, minimum: float | None = None, maximu
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: expected {expected}, got {value!r}")
     number = float(value)
-    if (not math.isfinite(number) or (positive and not number > 0) or (minimum is not None and number < minimum)
+    # not math.isfinite, which torch.compile cannot trace for a float it keeps symbolic (an argument)
+    if (not abs(number) < math.inf or (positive and not number > 0) or (minimum is not None and number < minimum)
             or (maximum is not None and number > maximum)):
         raise ValueError(f"{name}: expected {expected}, got {value!r}")
     return number

@@ -27,8 +27,9 @@ anyway (saving it would add 4 bytes a row to rows of 256 bytes a tensor in bf16)
 
 Layering: ``_gated_rms_norm_fwd_kernel`` / ``_gated_rms_norm_bwd_kernel`` → ``gated_rms_norm_fwd``
 / ``gated_rms_norm_bwd`` (host, launched as ``launch_config(width)`` says unless given
-``config=``) → ``GatedRMSNormFunction`` → ``gated_rms_norm`` (a graph break under
-``torch.compile``) → ``GatedRMSNorm``.
+``config=``) → the custom ops ``q35lab::gated_rms_norm_fwd`` / ``_bwd`` (``gated_rms_norm_fwd_op``,
+with fake implementations and autograd, so ``torch.compile`` traces through) → ``gated_rms_norm``
+→ ``GatedRMSNorm``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ import triton.language as tl
 
 from ._autograd import first_order_only
 from ._checks import check_eps, check_float_tensor, check_int, check_kernel_device, check_like, check_weight
-from ._compile import opaque_to_compile
 from ._launch import as_rows
 from ._reduce import sum_partials
 from ._tuned import tuned_config
@@ -54,7 +54,8 @@ __all__ = [
     "launch_config",
     "gated_rms_norm_fwd",
     "gated_rms_norm_bwd",
-    "GatedRMSNormFunction",
+    "gated_rms_norm_fwd_op",
+    "gated_rms_norm_bwd_op",
     "gated_rms_norm",
     "GatedRMSNorm",
 ]
@@ -279,34 +280,59 @@ def gated_rms_norm_bwd(
 
 
 # --------------------------------------------------------------------------------------------
-# Autograd, functional form, module.
+# Custom ops (torch.library): torch.compile traces through them with their fake implementations,
+# and autograd connects the two. The real implementations choose the launch configuration at run time.
 # --------------------------------------------------------------------------------------------
-class GatedRMSNormFunction(torch.autograd.Function):
-    """Autograd node: saves x, gate and w (the layer keeps them alive anyway), nothing else.
-
-    The output is allocated in ``x``'s shape (the kernel writes a ``[rows, width]`` view of it),
-    so it is no view made inside the Function and may be edited in place.
-    """
-
-    @staticmethod
-    def forward(ctx, x, gate, weight, eps: float, rounding: str):
-        x2d, g2d = as_rows(x), as_rows(gate)
-        ctx.save_for_backward(x2d, g2d, weight)
-        ctx.eps, ctx.rounding = eps, rounding
-        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        gated_rms_norm_fwd(x2d, g2d, weight, eps, rounding, out=y.view(x2d.shape))
-        return y
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, dy):
-        x2d, g2d, weight = ctx.saved_tensors
-        needs_dx, needs_dg, needs_dw = ctx.needs_input_grad[:3]
-        dx, dg, dw = gated_rms_norm_bwd(as_rows(dy), x2d, g2d, weight, ctx.eps, ctx.rounding, needs_dw)
-        return (dx.view(dy.shape) if needs_dx else None), (dg.view(dy.shape) if needs_dg else None), dw, None, None
+@torch.library.custom_op("q35lab::gated_rms_norm_fwd", mutates_args=())
+def gated_rms_norm_fwd_op(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, rounding: str
+) -> torch.Tensor:
+    """``y`` of ``x``'s shape and dtype, allocated whole (the kernel writes a ``[rows, width]`` view
+    of it), so it is no view made inside the autograd node and may be edited in place."""
+    x2d = as_rows(x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    gated_rms_norm_fwd(x2d, as_rows(gate), weight, eps, rounding, out=y.view(x2d.shape))
+    return y
 
 
-@opaque_to_compile
+@gated_rms_norm_fwd_op.register_fake
+def _(x, gate, weight, eps, rounding):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("q35lab::gated_rms_norm_bwd", mutates_args=())
+def gated_rms_norm_bwd_op(
+    dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, rounding: str,
+    compute_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, dgate, dw)`` over ``[rows, width]`` matrices; ``dw`` is empty (``[0]``) unless
+    ``compute_dw`` (a custom op returns no None)."""
+    dx, dg, dw = gated_rms_norm_bwd(as_rows(dy), as_rows(x), as_rows(gate), weight, eps, rounding, compute_dw)
+    return dx, dg, (dw if compute_dw else weight.new_empty(0))
+
+
+@gated_rms_norm_bwd_op.register_fake
+def _(dy, x, gate, weight, eps, rounding, compute_dw):
+    return x.new_empty(x.shape), gate.new_empty(gate.shape), weight.new_empty(weight.shape if compute_dw else (0,))
+
+
+def _setup_context(ctx, inputs, output):
+    """Saves x, gate and w (the layer keeps them alive anyway), nothing else."""
+    x, gate, weight, ctx.eps, ctx.rounding = inputs
+    ctx.save_for_backward(x, gate, weight)
+
+
+def _backward(ctx, dy):
+    x, gate, weight = ctx.saved_tensors
+    needs_dx, needs_dg, needs_dw = ctx.needs_input_grad[:3]
+    dx, dg, dw = gated_rms_norm_bwd_op(as_rows(dy), as_rows(x), as_rows(gate), weight, ctx.eps, ctx.rounding, needs_dw)
+    return ((dx.view(dy.shape) if needs_dx else None), (dg.view(dy.shape) if needs_dg else None),
+            (dw if needs_dw else None), None, None)
+
+
+gated_rms_norm_fwd_op.register_autograd(first_order_only(_backward, op="gated_rms_norm"), setup_context=_setup_context)
+
+
 def gated_rms_norm(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, rounding: str = "hf"
 ) -> torch.Tensor:
@@ -340,7 +366,7 @@ def gated_rms_norm(
     if x.shape[-1] > MAX_WIDTH:
         raise ValueError(f"x: last dimension {x.shape[-1]} exceeds the supported width {MAX_WIDTH}")
     check_kernel_device(x=x, gate=gate, weight=weight)
-    return GatedRMSNormFunction.apply(x, gate, weight, eps, rounding)
+    return gated_rms_norm_fwd_op(x.contiguous(), gate.contiguous(), weight, eps, rounding)  # what backward reads
 
 
 def _check_rounding(rounding: object) -> None:

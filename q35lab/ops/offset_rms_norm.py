@@ -18,14 +18,16 @@ Backward, with ``g = dy · (1 + w)`` and ``c = mean(g · x̂)`` per row::
 
 Layering: ``_offset_rms_norm_fwd_kernel`` / ``_offset_rms_norm_bwd_kernel`` (Triton) →
 ``offset_rms_norm_fwd`` / ``offset_rms_norm_bwd`` (host, launched as ``launch_config(width)``
-says unless given ``config=``) → ``OffsetRMSNormFunction`` → ``offset_rms_norm`` (functional, a
-graph break under ``torch.compile``) → ``OffsetRMSNorm`` (module); ``offset_rms_norm_ref`` is the
-transformers math in PyTorch, the reference every test compares against.
+says unless given ``config=``) → the custom ops ``q35lab::offset_rms_norm_fwd`` / ``_bwd``
+(``offset_rms_norm_fwd_op``, with fake implementations and autograd, so ``torch.compile`` traces
+through) → ``offset_rms_norm`` (functional) → ``OffsetRMSNorm`` (module); ``offset_rms_norm_ref``
+is the transformers math in PyTorch, the reference every test compares against.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +36,6 @@ import triton.language as tl
 
 from ._autograd import first_order_only
 from ._checks import check_eps, check_float_tensor, check_int, check_kernel_device, check_weight
-from ._compile import opaque_to_compile
 from ._launch import as_rows, persistent_programs
 from ._reduce import sum_partials
 from ._tuned import tuned_config
@@ -45,7 +46,8 @@ __all__ = [
     "launch_config",
     "offset_rms_norm_fwd",
     "offset_rms_norm_bwd",
-    "OffsetRMSNormFunction",
+    "offset_rms_norm_fwd_op",
+    "offset_rms_norm_bwd_op",
     "offset_rms_norm",
     "OffsetRMSNorm",
 ]
@@ -289,34 +291,63 @@ def offset_rms_norm_bwd(
 
 
 # --------------------------------------------------------------------------------------------
-# Autograd, functional form, module.
+# Custom ops (torch.library): torch.compile traces through them with their fake implementations,
+# and autograd connects the two. The real implementations choose the launch configuration at run time.
 # --------------------------------------------------------------------------------------------
-class OffsetRMSNormFunction(torch.autograd.Function):
-    """Autograd node: saves ``x``, ``w`` and the fp32 ``rstd`` (4 bytes a row), nothing more.
+@torch.library.custom_op("q35lab::offset_rms_norm_fwd", mutates_args=())
+def offset_rms_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, rstd)``: ``y`` of ``x``'s shape and dtype, ``rstd`` fp32 ``[rows]``.
 
-    The output is allocated in ``x``'s shape and the kernel writes it through a ``[rows, width]``
-    view: a view made here and returned would be one autograd forbids editing in place
+    ``y`` is allocated whole and the kernel writes it through a ``[rows, width]`` view: an output
+    that is a view made inside the autograd node is one autograd forbids editing in place
     (``y.mul_(2)``), which transformers' module allows.
     """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        x2d = as_rows(x)
-        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        _, rstd = offset_rms_norm_fwd(x2d, weight, eps, out=y.view(x2d.shape))
-        ctx.save_for_backward(x2d, weight, rstd)
-        return y
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, dy: torch.Tensor):
-        x2d, weight, rstd = ctx.saved_tensors
-        needs_dx, needs_dw, _ = ctx.needs_input_grad
-        dx, dw = offset_rms_norm_bwd(as_rows(dy), x2d, weight, rstd, compute_dw=needs_dw)
-        return (dx.view(dy.shape) if needs_dx else None), dw, None
+    x2d = as_rows(x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _, rstd = offset_rms_norm_fwd(x2d, weight, eps, out=y.view(x2d.shape))
+    return y, rstd
 
 
-@opaque_to_compile
+@offset_rms_norm_fwd_op.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape), x.new_empty(math.prod(x.shape[:-1]), dtype=torch.float32)
+
+
+@torch.library.custom_op("q35lab::offset_rms_norm_bwd", mutates_args=())
+def offset_rms_norm_bwd_op(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, compute_dw: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dw)`` over ``[rows, width]`` matrices; ``dw`` is empty (``[0]``) unless ``compute_dw``
+    (a custom op returns no None)."""
+    dx, dw = offset_rms_norm_bwd(as_rows(dy), as_rows(x), weight, rstd, compute_dw)
+    return dx, (dw if compute_dw else weight.new_empty(0))
+
+
+@offset_rms_norm_bwd_op.register_fake
+def _(dy, x, weight, rstd, compute_dw):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape if compute_dw else (0,))
+
+
+def _setup_context(ctx, inputs, output):
+    """Saves ``x``, ``w`` and the fp32 ``rstd`` (4 bytes a row), nothing more."""
+    x, weight, _ = inputs
+    _, rstd = output
+    ctx.mark_non_differentiable(rstd)
+    ctx.set_materialize_grads(False)  # no zeros made for rstd's gradient
+    ctx.save_for_backward(x, weight, rstd)
+
+
+def _backward(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    needs_dx, needs_dw, _ = ctx.needs_input_grad
+    dx, dw = offset_rms_norm_bwd_op(as_rows(dy), as_rows(x), weight, rstd, needs_dw)
+    return (dx.view(dy.shape) if needs_dx else None), (dw if needs_dw else None), None
+
+
+offset_rms_norm_fwd_op.register_autograd(first_order_only(_backward, op="offset_rms_norm"),
+                                         setup_context=_setup_context)
+
+
 def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Offset RMSNorm: ``y = x·rsqrt(mean(x²)+eps)·(1+w)`` in fp32, rounded once to ``x.dtype``.
 
@@ -343,7 +374,8 @@ def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) ->
     if x.shape[-1] > MAX_WIDTH:
         raise ValueError(f"x: last dimension {x.shape[-1]} exceeds the supported width {MAX_WIDTH}")
     check_kernel_device(x=x, weight=weight)
-    return OffsetRMSNormFunction.apply(x, weight, eps)
+    y, _ = offset_rms_norm_fwd_op(x.contiguous(), weight, eps)  # the contiguous x is what backward reads
+    return y
 
 
 class OffsetRMSNorm(torch.nn.Module):

@@ -83,9 +83,10 @@ def apply_to_qwen3_5(
     PEFT wrapper around them: patch after ``peft.get_peft_model`` and after moving the model to its
     device and dtype, and with FSDP2 before ``fully_shard``. The modules keep their parameters (the
     same objects); patching twice is harmless, ``revert`` undoes it. A patched model deep-copies,
-    pickles and compiles (q35lab's ops are graph breaks). Where a call is one a kernel cannot
-    compute exactly (a hook on ``lm_head``, two active adapters, DoRA, ...) the module's own forward
-    runs, and the report says which modules can never be patched.
+    pickles and compiles (the norms are custom ops the compiler traces, the other ops graph
+    breaks). Where a call is one a kernel cannot compute exactly (a hook on ``lm_head``, two active
+    adapters, DoRA, ...) the module's own forward runs, and the report says which modules can never
+    be patched.
 
     Packed rows (``DataCollatorWithFlattening``, with or without ``return_flash_attn_kwargs``) give
     each sequence what it gets alone under the forward's default arguments: such a row runs with
