@@ -81,6 +81,8 @@ def _one_at_a_time(model, sequences):
 
 
 def _assert_same(a, b, rtol=1e-4, atol=1e-5):
+    if device().type == "cuda":  # fla's kernels and cuDNN's conv multiply fp32 in TF32 (a 10-bit mantissa)
+        rtol, atol = max(rtol, 2e-3), max(atol, 1e-4)
     assert_same_loss_and_grads(a, b, rtol=rtol, atol=atol)
 
 
