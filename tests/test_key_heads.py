@@ -123,10 +123,36 @@ def test_without_fla_as_the_core_the_repeat_stays_and_the_report_says_why(monkey
 _ON_GPU_WITH_FLA = torch.cuda.is_available() and importlib.util.find_spec("fla") is not None
 
 
-def _grouped_and_repeated(core, tokens, cu_seqlens=None, with_state=False, backward=True, K=128):
+def _pytorch_core(name):
+    """transformers' own PyTorch delta rule ``name`` (under the hub wrapper, and a ``kernels``
+    module where 5.25 makes one), run once per sequence of a packed row, as it ignores boundaries."""
+    import inspect
+
+    function = getattr(sys.modules[type(_gdns(causal_lm())[0]).__module__], name)
+    function = getattr(function, "original", function)  # q35lab's switch
+    if not inspect.isfunction(function):
+        function = inspect.getclosurevars(type(function).forward).nonlocals.get("func", function)
+    function = inspect.unwrap(function)
+
+    def per_sequence(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None, **kwargs):
+        bounds = [0, q.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
+        outs, finals = [], []
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            out, final = function(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b],
+                                  initial_state=None if initial_state is None else initial_state[i:i + 1],
+                                  output_final_state=output_final_state, **kwargs)
+            outs.append(out)
+            finals.append(final)
+        return torch.cat(outs, 1), (torch.cat(finals) if output_final_state else None)
+
+    return per_sequence
+
+
+def _grouped_and_repeated(core, tokens, cu_seqlens=None, with_state=False, backward=True, K=128, reference=None):
     """(grouped, repeated in bf16, repeated in fp32): the output, the final state and every
     gradient of ``core`` given Hk = 2 key heads and Hv = 4 value heads (Qwen3.5's 128-wide heads
-    by default), once with the key heads as they are and once repeated as transformers 5.17 does."""
+    by default), once with the key heads as they are and once repeated as transformers 5.17 does;
+    the fp32 reference by ``reference`` (transformers' PyTorch core: no kernel autotuning), else ``core``."""
     torch.manual_seed(tokens)
     Hk, Hv, dev = 2, 4, device()
     sequences = 1 if cu_seqlens is None else len(cu_seqlens) - 1
@@ -140,12 +166,12 @@ def _grouped_and_repeated(core, tokens, cu_seqlens=None, with_state=False, backw
     dht = torch.randn(sequences, Hv, K, K, device=dev) * 0.1
     bounds = None if cu_seqlens is None else torch.tensor(cu_seqlens, device=dev, dtype=torch.int32)
 
-    def run(dtype, grouped):
+    def run(dtype, grouped, run_core=core):
         xs = {n: t.to(torch.float32 if n in ("g", "h0") else dtype).requires_grad_(backward) for n, t in leaves.items()}
         q, k = (xs["q"], xs["k"]) if grouped else (xs["q"].repeat_interleave(Hv // Hk, 2),
                                                     xs["k"].repeat_interleave(Hv // Hk, 2))
-        out, final = core(q, k, xs["v"], g=xs["g"], beta=xs["beta"], initial_state=xs.get("h0"),
-                          output_final_state=with_state, use_qk_l2norm_in_kernel=True, cu_seqlens=bounds)
+        out, final = run_core(q, k, xs["v"], g=xs["g"], beta=xs["beta"], initial_state=xs.get("h0"),
+                              output_final_state=with_state, use_qk_l2norm_in_kernel=True, cu_seqlens=bounds)
         results = [out.float()] + ([final.float()] if with_state else [])
         if backward:
             roots, grads_out = [out], [dout.to(out.dtype)]
@@ -154,7 +180,7 @@ def _grouped_and_repeated(core, tokens, cu_seqlens=None, with_state=False, backw
             results += [g.float() for g in torch.autograd.grad(roots, list(xs.values()), grads_out)]
         return results
 
-    return run(torch.bfloat16, True), run(torch.bfloat16, False), run(torch.float32, False)
+    return run(torch.bfloat16, True), run(torch.bfloat16, False), run(torch.float32, False, reference or core)
 
 
 @pytest.mark.skipif(not _ON_GPU_WITH_FLA, reason="fla's kernels need a GPU and flash-linear-attention")
@@ -163,13 +189,14 @@ def _grouped_and_repeated(core, tokens, cu_seqlens=None, with_state=False, backw
                                                             (300, [0, 7, 70, 300], True)])
 def test_fla_chunked_core_with_grouped_key_heads_follows_the_core_with_repeated_ones(tokens, cu_seqlens, with_state):
     """fla's chunk_gated_delta_rule given the key heads as they are, against the same core given
-    them repeated, by the numerics rule with the repeated core in fp32 as the reference: the output,
+    them repeated, by the numerics rule with transformers' PyTorch core in fp32 as the reference: the output,
     the final state and every gradient (q's and k's summed over each group by fla, by
     repeat_interleave's backward on the other side), single rows and packed ones, with and without
     states."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    grouped, repeated, reference = _grouped_and_repeated(chunk_gated_delta_rule, tokens, cu_seqlens, with_state)
+    grouped, repeated, reference = _grouped_and_repeated(chunk_gated_delta_rule, tokens, cu_seqlens, with_state,
+                                                         reference=_pytorch_core("torch_chunk_gated_delta_rule"))
     names = ["out"] + (["final state"] if with_state else []) + ["dq", "dk", "dv", "dg", "dbeta"] + \
         (["dh0"] if with_state else [])
     assert len(names) == len(grouped)
@@ -183,8 +210,9 @@ def test_fla_recurrent_core_with_grouped_key_heads_follows_the_core_with_repeate
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
     for tokens in (1, 5):
-        grouped, repeated, reference = _grouped_and_repeated(fused_recurrent_gated_delta_rule, tokens,
-                                                             with_state=True, backward=False)
+        grouped, repeated, reference = _grouped_and_repeated(
+            fused_recurrent_gated_delta_rule, tokens, with_state=True, backward=False,
+            reference=_pytorch_core("torch_recurrent_gated_delta_rule"))
         for name, a, b, hi in zip(["out", "final state"], grouped, repeated, reference):
             assert_close_by_rule(name, a, b, hi)
 
