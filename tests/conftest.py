@@ -36,6 +36,12 @@ def roomy_host(monkeypatch):
     patch_everywhere(monkeypatch, "host_memory_available", lambda: 2**40)
 
 
+#: The backend whole-model compile tests use: inductor, which users compile with, on a GPU; on the
+#: CPU aot_eager, the same AOTAutograd trace inductor consumes without its C++ compile (a minute of
+#: CI a model; the norms' own tests still run inductor on the CPU).
+MODEL_COMPILER = "inductor" if torch.cuda.is_available() else "aot_eager"
+
+
 def patch_everywhere(monkeypatch, name: str, value) -> None:
     """``monkeypatch.setattr`` of ``name`` in every q35lab module that binds the same object: a function is
     defined in one module and imported by name into the others that call it."""

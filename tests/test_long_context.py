@@ -13,7 +13,7 @@ import sys
 import peft
 import pytest
 import torch
-from conftest import patch_everywhere
+from conftest import MODEL_COMPILER, patch_everywhere
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import q35lab
@@ -1553,7 +1553,8 @@ def test_torch_compile_of_a_model_with_both_tiles_matches_eager():
     ids = torch.randint(0, 128, (2, 9), device=device())
     eager = loss_and_grads(model, ids)
     torch._dynamo.reset()
-    _assert_same(loss_and_grads(model, ids, run=torch.compile(model, backend="inductor")), eager, rtol=1e-4, atol=1e-5)
+    compiled = torch.compile(model, backend=MODEL_COMPILER)
+    _assert_same(loss_and_grads(model, ids, run=compiled), eager, rtol=1e-4, atol=1e-5)
 
 
 def test_a_pickled_model_with_both_tiles_loads_tiled_and_trains_the_same():

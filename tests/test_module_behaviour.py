@@ -6,6 +6,7 @@ import io
 
 import pytest
 import torch
+from conftest import MODEL_COMPILER
 
 import q35lab
 from q35lab.ops.fused_projections import FusedLoRAProjectionsFunction
@@ -133,13 +134,13 @@ def test_lora_layers_added_after_patching_are_named_and_a_second_call_routes_the
 
 
 def test_torch_compile_of_a_patched_peft_model_matches_eager():
-    # inductor, the backend users compile with (it traces through AOTAutograd as aot_eager does)
+    # MODEL_COMPILER: inductor, the backend users compile with, on a GPU; aot_eager (its trace) on the CPU
     model = _peft_model()
     q35lab.apply_to_qwen3_5(model)
     ids = torch.randint(0, 128, (2, 9), device=device())
     eager = loss_and_grads(model, ids)
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="inductor")
+    compiled = torch.compile(model, backend=MODEL_COMPILER)
     _assert_close_step(loss_and_grads(model, ids, run=compiled), eager)
     _assert_close_step(loss_and_grads(model, ids, run=compiled), eager)  # the second call reuses the graphs
 

@@ -6,6 +6,7 @@ import pickle
 
 import pytest
 import torch
+from conftest import MODEL_COMPILER
 
 import q35lab
 from q35lab.numerics import compare, scaled_atol
@@ -226,13 +227,13 @@ def test_patched_moe_model_copies_and_pickles():
 
 
 def test_torch_compile_of_a_patched_moe_model_matches_eager():
-    """The routed experts are a graph break (opaque to the compiler), as every q35lab op."""
+    """The routed experts are a graph break (opaque to the compiler)."""
     model = _peft_moe()
     q35lab.apply_to_qwen3_5(model)
     ids = torch.randint(0, 128, (2, 9), device=device())
     eager = loss_and_grads(model, ids)
     torch._dynamo.reset()
-    loss, grads = loss_and_grads(model, ids, run=torch.compile(model, backend="inductor"))
+    loss, grads = loss_and_grads(model, ids, run=torch.compile(model, backend=MODEL_COMPILER))
     torch.testing.assert_close(loss, eager[0], rtol=1e-5, atol=1e-5)
     assert grads.keys() == eager[1].keys()
     for name in grads:
