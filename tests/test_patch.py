@@ -2,6 +2,7 @@
 
 import copy
 import importlib.util
+import sys
 
 import pytest
 import torch
@@ -556,3 +557,49 @@ def test_an_installed_switch_rebuilds_the_type_it_wraps_when_called_without_argu
     plain = hf_gdn.ConvSwitch.install(lambda x: x)
     with pytest.raises(TypeError, match="original"):
         type(plain)()
+
+
+def test_the_report_says_whether_fla_runs_flash_qla_and_why_not(monkeypatch):
+    """fla (0.6 on) hands the chunked delta rule to FlashQLA where its backend is installed and
+    enabled, on SM90/SM100, for 128-wide heads: the report's core line says which runs, and why."""
+    import types
+
+    from q35lab.patch import conv as patch_conv
+
+    backend = types.SimpleNamespace(available=True, enabled=True)
+
+    class FlashQLABackend:
+        @classmethod
+        def is_available(cls):
+            return backend.available
+
+        def is_enabled(self):
+            return backend.enabled
+
+    fake = types.ModuleType("fla.ops.gated_delta_rule.backends.flash_qla")
+    fake.FlashQLABackend = FlashQLABackend
+    gdn = next(m for m in causal_lm().modules() if hf_modules.is_gated_delta_net(m))
+    monkeypatch.setattr(patch_conv, "core_is_fla", lambda gdn: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setitem(sys.modules, fake.__name__, None)  # an fla without the backend
+    assert hf_gdn.flash_qla_problem(gdn) == "this flash-linear-attention has no FlashQLA backend (it came in 0.6)"
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    monkeypatch.setattr(gdn, "head_k_dim", 128)
+    monkeypatch.setattr(gdn, "head_v_dim", 128)
+    assert hf_gdn.flash_qla_problem(gdn) is None
+    assert "runs FlashQLA's fused kernels" in patch_conv.delta_rule_core(gdn)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert hf_gdn.flash_qla_problem(gdn) == "FlashQLA trains only on SM90/SM100/SM103, not on this SM80"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert hf_gdn.flash_qla_problem(gdn) is None
+    monkeypatch.setattr(gdn, "head_v_dim", 64)
+    assert hf_gdn.flash_qla_problem(gdn) == "FlashQLA takes 128-wide heads, not 128 and 64"
+    backend.enabled = False
+    assert hf_gdn.flash_qla_problem(gdn) == "FlashQLA is installed but turned off (FLA_FLASH_QLA=0)"
+    backend.available = False
+    why = "FlashQLA is not installed (pip install flash-qla, which brings tilelang)"
+    assert hf_gdn.flash_qla_problem(gdn) == why
+    monkeypatch.setattr(patch_conv, "triton_at_least", lambda version: True)
+    core = patch_conv.delta_rule_core(gdn)
+    assert core == f"flash-linear-attention's chunk_gated_delta_rule, its Triton kernels: {why}"

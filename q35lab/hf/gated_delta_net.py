@@ -227,6 +227,31 @@ def core_is_fla(gdn: torch.nn.Module) -> bool:
     return _is_fla_function(_resolved_core(core_function(gdn)))
 
 
+#: Compute capabilities where FlashQLA runs forward and backward (on SM120 only a grad-free forward).
+FLASH_QLA_TRAINS_ON = ((9, 0), (10, 0), (10, 3))
+
+
+def flash_qla_problem(gdn: torch.nn.Module) -> str | None:
+    """Why fla does not hand this GatedDeltaNet's chunked delta rule to FlashQLA (the Qwen team's
+    fused TileLang kernels, an fla backend from 0.6) in training, or None where it does. fla's own
+    test decides whether the backend is installed and enabled (``FLA_FLASH_QLA``); it then takes
+    bf16/fp16 calls with 128-wide heads on the GPUs of ``FLASH_QLA_TRAINS_ON``."""
+    try:
+        from fla.ops.gated_delta_rule.backends.flash_qla import FlashQLABackend
+    except ImportError:
+        return "this flash-linear-attention has no FlashQLA backend (it came in 0.6)"
+    if not FlashQLABackend.is_available():
+        return "FlashQLA is not installed (pip install flash-qla, which brings tilelang)"
+    if not FlashQLABackend().is_enabled():
+        return "FlashQLA is installed but turned off (FLA_FLASH_QLA=0)"
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    if capability is not None and capability not in FLASH_QLA_TRAINS_ON:
+        return f"FlashQLA trains only on SM90/SM100/SM103, not on this SM{capability[0]}{capability[1]}"
+    if (gdn.head_k_dim, gdn.head_v_dim) != (128, 128):
+        return f"FlashQLA takes 128-wide heads, not {gdn.head_k_dim} and {gdn.head_v_dim}"
+    return None
+
+
 def packing_problem(gdn: torch.nn.Module) -> str | None:
     """Why this GatedDeltaNet cannot keep sequences packed in one row (cu_seq_lens_q) apart, or None."""
     conv_ok = marked(gdn, CONV) is not None or conv_problem(gdn) == "the causal-conv1d CUDA package runs it"

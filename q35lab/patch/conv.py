@@ -20,6 +20,7 @@ from ..hf.gated_delta_net import (
     conv_problem,
     core_groups_key_heads,
     core_is_fla,
+    flash_qla_problem,
     package_installed,
     packing_problem,
     repeats_key_heads,
@@ -103,7 +104,10 @@ def delta_rule_core(gdn: torch.nn.Module) -> str:
     if hopper and not triton_at_least((3, 7, 1)):
         return ("flash-linear-attention's, whose backward refuses Hopper with this Triton (< 3.7.1, fla#640): "
                 "install Triton 3.7.1 (or torch >= 2.12.1)")
-    return "flash-linear-attention's chunk_gated_delta_rule"
+    qla = flash_qla_problem(gdn)
+    if qla is None:
+        return "flash-linear-attention's chunk_gated_delta_rule, which runs FlashQLA's fused kernels (bf16/fp16 calls)"
+    return f"flash-linear-attention's chunk_gated_delta_rule, its Triton kernels: {qla}"
 
 
 def causal_conv(gdn: torch.nn.Module) -> str:
