@@ -29,7 +29,7 @@ OPS = [
     ("causal_conv1d", (8192, 4), "8192x4", "bwd_block_t", 16),
     ("contiguous_rows", (8192,), 8192, "block_rows", 2),
     ("offset_rms_norm", (4096,), 4096, "bwd_stages", 2),
-    ("gated_rms_norm", (128,), 128, "bwd_warps", 8),
+    ("gated_rms_norm", (128,), 128, "bwd_warps", 1),
 ]
 
 

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import runtime
 from ._autograd import first_order_only
 from ._checks import check_eps, check_float_tensor, check_int, check_kernel_device, check_like, check_weight
 from ._launch import as_rows
@@ -222,9 +223,10 @@ def launch_config(n_cols: int) -> LaunchConfig:
 def _default_config(n_cols: int) -> LaunchConfig:
     """Tiles of ~1k elements (8 rows of 128) at 2 warps, 16 values a thread per tensor, and two
     tiles a backward program (4 warps without dW): what tuning picks on Hopper for the 128-wide
-    heads, where 32·T short rows give programs enough to fill every SM many times over."""
+    heads, where 32·T short rows give programs enough to fill every SM many times over. The
+    interpreter, which runs each program as a Python loop, gets tiles of ~4k: a quarter of them."""
     block_cols = triton.next_power_of_2(n_cols)
-    rows = max(1, 1024 // block_cols)
+    rows = max(1, (4096 if runtime.INTERPRET else 1024) // block_cols)
     warps = max(1, min(8, rows * block_cols // 512))
     return LaunchConfig(
         fwd_block_rows=rows, fwd_warps=warps,
