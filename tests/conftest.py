@@ -1,5 +1,12 @@
+import atexit
 import os
 import random
+import shutil
+import tempfile
+
+# Tests read the shipped ops/tuned.json only, never this machine's own tuning (~/.cache/q35lab/tuned.json):
+# a GPU machine that ran `python -m q35lab tune` would otherwise test other launch configurations
+os.environ["Q35LAB_TUNED_FILE"] = os.path.join(tempfile.mkdtemp(prefix="q35lab-tests-"), "tuned.json")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # pytest -n 2 on a 2-core machine: one thread a worker, and one for every process a worker starts
@@ -15,6 +22,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 import q35lab  # noqa: F401  (selects the interpreter before any kernel is defined)
+
+atexit.register(shutil.rmtree, os.path.dirname(os.environ["Q35LAB_TUNED_FILE"]), True)
 
 
 @pytest.fixture(autouse=True)

@@ -135,3 +135,11 @@ def test_a_corrupt_user_file_is_an_error_naming_it(tuned_tables, text, says):
     with pytest.raises(ValueError, match=re.escape(str(user))):  # nor is it written over
         _tuned.save("some_op", 96, {"a": 1}, gpu)
     assert user.read_bytes() == (text if isinstance(text, bytes) else text.encode())
+
+
+def test_the_tests_never_read_this_machines_own_tuning():
+    from q35lab.ops import _tuned
+
+    user = _tuned.user_file()
+    assert user.parent.name.startswith("q35lab-tests-") and not user.exists()
+    assert user.parent != Path.home() / ".cache" / "q35lab"
