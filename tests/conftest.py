@@ -45,6 +45,25 @@ def roomy_host(monkeypatch):
     patch_everywhere(monkeypatch, "host_memory_available", lambda: 2**40)
 
 
+#: Inductor on the CPU compiles C++: without a compiler its cases skip.
+NEEDS_CXX = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
+                               reason="inductor on a CPU needs a C++ compiler")
+
+#: The shapes a custom op's opcheck runs on: one row, odd widths, leading dimensions, a transposed view.
+OPCHECK_SHAPES = pytest.mark.parametrize(
+    "shape,strided", [((1, 64), False), ((7, 37), False), ((2, 3, 100), False), ((5, 48), True)],
+    ids=["1x64", "7x37", "2x3x100", "5x48-transposed"])
+
+
+def fresh_rows(shape, dtype, strided=False):
+    """Fresh values of ``shape``; ``strided``: a transposed view (no unit column stride)."""
+    from q35lab.runtime import device
+
+    if not strided:
+        return torch.randn(shape, device=device()).to(dtype)
+    return torch.randn(*shape[:-2], shape[-1], shape[-2], device=device()).to(dtype).transpose(-1, -2)
+
+
 #: The backend whole-model compile tests use: inductor, which users compile with, on a GPU; on the
 #: CPU aot_eager, the same AOTAutograd trace inductor consumes without its C++ compile (a minute of
 #: CI a model; the norms' own tests still run inductor on the CPU).

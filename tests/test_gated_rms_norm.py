@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import NEEDS_CXX, OPCHECK_SHAPES, fresh_rows
 
 import q35lab
 from q35lab.numerics import agreement, assert_close_by_rule
@@ -213,22 +214,14 @@ def test_compiled_function_matches_eager():
 # --------------------------------------------------------------------------------------------
 # The custom ops q35lab::gated_rms_norm_fwd / _bwd: what torch.compile traces through.
 # --------------------------------------------------------------------------------------------
-def _rows(shape, dtype, strided=False):
-    """Fresh values of ``shape``; ``strided``: a transposed view (no unit column stride)."""
-    if not strided:
-        return torch.randn(shape, device=device()).to(dtype)
-    return torch.randn(*shape[:-2], shape[-1], shape[-2], device=device()).to(dtype).transpose(-1, -2)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape,strided", [((1, 64), False), ((7, 37), False), ((2, 3, 100), False), ((5, 48), True)],
-                         ids=["1x64", "7x37", "2x3x100", "5x48-transposed"])
+@OPCHECK_SHAPES
 def test_custom_ops_pass_opcheck(shape, dtype, strided):
     """Schema (no mutation, no alias), fake against real, autograd registration, AOT dispatch with
     dynamic shapes: forward in both roundings with a trainable and a frozen weight, backward with and
     without dW."""
     fwd, bwd = torch.ops.q35lab.gated_rms_norm_fwd.default, torch.ops.q35lab.gated_rms_norm_bwd.default
-    x, gate = _rows(shape, dtype, strided).requires_grad_(), (2 * _rows(shape, dtype)).requires_grad_()
+    x, gate = fresh_rows(shape, dtype, strided).requires_grad_(), (2 * fresh_rows(shape, dtype)).requires_grad_()
     w = (1 + 0.2 * torch.randn(shape[-1], device=device())).to(dtype)
     for rounding, trainable in (("hf", True), ("fused", False)):
         torch.library.opcheck(fwd, (x, gate, w.clone().requires_grad_(trainable), 1e-6, rounding))
@@ -251,14 +244,10 @@ def _value_and_grads(fn, inputs, dy):
 def _compile_cases():
     """aot_eager for each dtype and weight (both roundings for each dtype); inductor (seconds a
     compile on a CPU) for one of them."""
-    import shutil
-
-    no_cxx = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
-                                reason="inductor on a CPU needs a C++ compiler")
     cases = [("aot_eager", torch.float32, True, "hf"), ("aot_eager", torch.float32, False, "fused"),
              ("aot_eager", torch.bfloat16, True, "fused"), ("aot_eager", torch.bfloat16, False, "hf"),
              ("inductor", torch.bfloat16, True, "fused")]
-    return [pytest.param(*case, marks=no_cxx if case[0] == "inductor" else (),
+    return [pytest.param(*case, marks=NEEDS_CXX if case[0] == "inductor" else (),
                          id=f"{case[0]}-{str(case[1])[6:]}-{'trainable' if case[2] else 'frozen'}_w-{case[3]}")
             for case in cases]
 

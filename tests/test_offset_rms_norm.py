@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from conftest import NEEDS_CXX, OPCHECK_SHAPES, fresh_rows
 
 import q35lab
 from q35lab.numerics import agreement, assert_close_by_rule
@@ -203,11 +204,7 @@ def test_zero_width_and_zero_rows_give_what_the_reference_gives(shape):
 
 
 def _compilers():
-    import shutil
-
-    inductor = pytest.param("inductor", marks=pytest.mark.skipif(
-        not (shutil.which("g++") or shutil.which("c++")), reason="inductor on a CPU needs a C++ compiler"))
-    return ["aot_eager", inductor]
+    return ["aot_eager", pytest.param("inductor", marks=NEEDS_CXX)]
 
 
 @pytest.mark.parametrize("backend", _compilers())
@@ -251,21 +248,13 @@ def test_compiled_model_and_function_match_eager(backend):
 # --------------------------------------------------------------------------------------------
 # The custom ops q35lab::offset_rms_norm_fwd / _bwd: what torch.compile traces through.
 # --------------------------------------------------------------------------------------------
-def _rows(shape, dtype, strided=False):
-    """Fresh values of ``shape``; ``strided``: a transposed view (no unit column stride)."""
-    if not strided:
-        return torch.randn(shape, device=device()).to(dtype)
-    return torch.randn(*shape[:-2], shape[-1], shape[-2], device=device()).to(dtype).transpose(-1, -2)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape,strided", [((1, 64), False), ((7, 37), False), ((2, 3, 100), False), ((5, 48), True)],
-                         ids=["1x64", "7x37", "2x3x100", "5x48-transposed"])
+@OPCHECK_SHAPES
 def test_custom_ops_pass_opcheck(shape, dtype, strided):
     """Schema (no mutation, no alias), fake against real, autograd registration, AOT dispatch with
     dynamic shapes: forward with a trainable and a frozen weight, backward with and without dW."""
     fwd, bwd = torch.ops.q35lab.offset_rms_norm_fwd.default, torch.ops.q35lab.offset_rms_norm_bwd.default
-    x = _rows(shape, dtype, strided).requires_grad_()
+    x = fresh_rows(shape, dtype, strided).requires_grad_()
     w = (0.1 * torch.randn(shape[-1], device=device())).to(dtype)
     for trainable in (True, False):
         torch.library.opcheck(fwd, (x, w.clone().requires_grad_(trainable), 1e-6))
@@ -291,7 +280,7 @@ def _compile_cases():
     dtypes = (torch.float32, torch.bfloat16)
     cases = [("aot_eager", dtype, trainable) for dtype in dtypes for trainable in (True, False)]
     cases += [("inductor", torch.bfloat16, True)]
-    marks = {"aot_eager": (), "inductor": _compilers()[1].marks}
+    marks = {"aot_eager": (), "inductor": NEEDS_CXX}
     return [pytest.param(backend, dtype, trainable, marks=marks[backend],
                          id=f"{backend}-{str(dtype)[6:]}-{'trainable' if trainable else 'frozen'}_w")
             for backend, dtype, trainable in cases]
