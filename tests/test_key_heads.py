@@ -217,7 +217,7 @@ def test_fla_recurrent_core_with_grouped_key_heads_follows_the_core_with_repeate
             assert_close_by_rule(name, a, b, hi)
 
 
-@pytest.mark.parametrize("switch_class", [hf_gdn.RecurrentSwitch, hf_gdn.DeltaRuleSwitch])
+@pytest.mark.parametrize("switch_class", [hf_gdn.CoreSwitch, hf_gdn.DeltaRuleSwitch])
 def test_where_transformers_runs_its_pytorch_core_the_switch_repeats_the_skipped_heads(monkeypatch, switch_class):
     """Under torch.export (and torch.compile with torch < 2.13, whose tracer answers is_exporting()
     with True) transformers' wrapper calls its PyTorch core, which needs q and k repeated: the switch
@@ -248,7 +248,7 @@ def test_skipping_the_repeat_installs_the_switches_around_both_cores(repeating_f
     module = sys.modules[type(_gdns(model)[0]).__module__]
     q35lab.apply_to_qwen3_5(model, conv=True)
     assert isinstance(module.torch_chunk_gated_delta_rule, hf_gdn.DeltaRuleSwitch)
-    assert isinstance(module.torch_recurrent_gated_delta_rule, hf_gdn.RecurrentSwitch)
+    assert isinstance(module.torch_recurrent_gated_delta_rule, hf_gdn.CoreSwitch)
 
 
 def test_transformers_wrapper_decides_by_what_hub_calls_pytorch_core_reads(monkeypatch):

@@ -77,7 +77,7 @@ class ConvSwitch:
         return (self.replacement() if self.active else self.original)(*args, **kwargs)
 
 
-class RecurrentSwitch(ConvSwitch):
+class CoreSwitch(ConvSwitch):
     """Installed as a modeling module's delta-rule cores where q35lab skips the q/k head repeat
     (``patch.conv.skip_key_head_repeat``): the repeat is made here instead whenever transformers'
     wrapper is about to run its PyTorch core, which needs it (``versions.hub_calls_pytorch_core``).
@@ -93,10 +93,10 @@ class RecurrentSwitch(ConvSwitch):
         return super().__call__(query, key, value, *args, **kwargs)
 
 
-class DeltaRuleSwitch(RecurrentSwitch):
+class DeltaRuleSwitch(CoreSwitch):
     """Installed as a modeling module's ``torch_chunk_gated_delta_rule``: per packed sequence while a
     patched GatedDeltaNet runs (``_PerSequenceDeltaRule``), the original otherwise; q and k repeated
-    for transformers' PyTorch core as ``RecurrentSwitch`` does."""
+    for transformers' PyTorch core as ``CoreSwitch`` does."""
 
     fla_core = None  # whether the wrapped function resolves to fla's
 

@@ -15,8 +15,8 @@ from ..hf.gated_delta_net import (
     DELTA_RULE_SWITCHES,
     RECURRENT_SWITCHES,
     ConvSwitch,
+    CoreSwitch,
     DeltaRuleSwitch,
-    RecurrentSwitch,
     conv_problem,
     core_groups_key_heads,
     core_is_fla,
@@ -78,7 +78,7 @@ def skip_key_head_repeat(gdn: torch.nn.Module, report: PatchReport) -> None:
     else:
         module = sys.modules[type(gdn).__module__]
         switch_in(module, versions.CHUNK_CORE, DELTA_RULE_SWITCHES, DeltaRuleSwitch)
-        switch_in(module, versions.RECURRENT_CORE, RECURRENT_SWITCHES, RecurrentSwitch)
+        switch_in(module, versions.RECURRENT_CORE, RECURRENT_SWITCHES, CoreSwitch)
         object.__setattr__(gdn, KEY_HEADS, gdn.num_k_heads)
         gdn.num_k_heads = gdn.num_v_heads
         report.replaced[f"{type(gdn).__name__} q/k head repeat (skipped: fla's core groups the key heads)"] += 1
