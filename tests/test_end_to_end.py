@@ -833,7 +833,10 @@ def test_breakdown_writes_one_row_per_category_beside_the_floor(tmp_path, monkey
     import pandas as pd
 
     steps, categories = pd.read_csv(out), pd.read_csv(tmp_path / "step_breakdown.csv")
-    assert {"step_ms", "core_ms", "peak_gib", "device_ms", "floor_ms"} <= set(steps.columns), steps.note.tolist()
+    assert {"step_ms", "core_ms", "peak_gib", "device_ms", "floor_ms", "kernels", "busy"} <= set(steps.columns), \
+        steps.note.tolist()
+    assert steps.kernels[0] == categories.kernels.sum() > 0  # on the CPU, the aten ops that stand in for kernels
+    assert steps.busy[0] == pytest.approx(steps.device_ms[0] / steps.step_ms[0], rel=1e-4)
     assert steps.allocator.tolist() == ["expandable_segments:True"]
     assert list(categories.category) == ["GEMM", "attention", "delta rule", "conv", "q35lab kernels", "copies/casts",
                                          "other elementwise"]

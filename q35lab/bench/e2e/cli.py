@@ -162,7 +162,9 @@ def _breakdown_lines(out) -> Path:
 def _breakdown(model, T: int, args, key: dict, step_ms: float) -> dict:
     """``--breakdown``: one more step profiled, its categories and the floor's terms appended as
     rows to ``step_breakdown.jsonl`` with the timed step (``step_ms``) of the same process; returns
-    what the step's row records of them."""
+    what the step's row records of them: the device time, the floor, the kernels launched and the
+    GPU's busy fraction (device time over the timed step: below 1, the host or the launches leave
+    the GPU idle)."""
     try:  # an extra, optional look: its failure must not cost the measured row
         rows = breakdown(profile_step(model, T, compile=args.compile))
         rates = floor_inputs(model, T)
@@ -177,7 +179,8 @@ def _breakdown(model, T: int, args, key: dict, step_ms: float) -> dict:
     with open(_breakdown_lines(args.out), "a") as f:
         for row in rows:
             f.write(json.dumps({**key, **row, **beside}) + "\n")
-    return {"device_ms": device_ms, "floor_ms": floor["total_ms"]}
+    return {"device_ms": device_ms, "floor_ms": floor["total_ms"], "kernels": sum(row["kernels"] for row in rows),
+            "busy": device_ms / step_ms}
 
 
 def _write_line(path, row: dict) -> None:

@@ -198,18 +198,20 @@ def _kernels(events):
 
 def breakdown(profiler_events, top: int = 3, threshold: float = 0.01) -> list[dict]:
     """One row per category (``CATEGORIES``, all of them): its device time (ms), its share of
-    the step's, and for each category but GEMM above ``threshold`` of the step its ``top``
-    launching sources (``source``) and its ``top`` + 2 aten calls (``aten_call``; "kernel: <name>"
-    for a kernel under no aten op) with their ms, as JSON (``sources``, ``aten_calls``).
+    the step's, its number of kernels (``kernels``: launches, on a GPU), and for each category but
+    GEMM above ``threshold`` of the step its ``top`` launching sources (``source``) and its
+    ``top`` + 2 aten calls (``aten_call``; "kernel: <name>" for a kernel under no aten op) with
+    their ms, as JSON (``sources``, ``aten_calls``).
 
     ``profiler_events``: ``prof.events()`` of a ``torch.profiler.profile(activities=[CPU, CUDA],
     with_stack=True)``; on a CPU, of a CPU-only profile (aten ops stand in for kernels)."""
-    time = collections.Counter()
+    time, count = collections.Counter(), collections.Counter()
     sources = collections.defaultdict(collections.Counter)
     calls = collections.defaultdict(collections.Counter)
     for name, us, frames, node, call in _kernels(profiler_events):
         category = _category(name, frames)
         time[category] += us
+        count[category] += 1
         sources[category][source(frames, node)] += us
         calls[category][call] += us
 
@@ -221,7 +223,7 @@ def breakdown(profiler_events, top: int = 3, threshold: float = 0.01) -> list[di
     for category in CATEGORIES:
         share = time[category] / total if total else 0.0
         named = category != "GEMM" and share > threshold
-        rows.append({"category": category, "ms": time[category] / 1e3, "share": share,
+        rows.append({"category": category, "ms": time[category] / 1e3, "share": share, "kernels": count[category],
                      "sources": top_ms(sources[category], top) if named else "{}",
                      "aten_calls": top_ms(calls[category], top + 2) if named else "{}"})
     return rows
