@@ -19,8 +19,8 @@ results or its memory:
   scales them by the upstream scalar, in place when autograd frees the graph, so ``.grad`` is the
   buffer the forward made. A custom op would return dx and dW as outputs (sound), but the scaling
   is then a write into saved tensors: declared as a mutation, a compiled backward functionalises
-  it into a copy; done out of place, it allocates one more ``[T, H]`` and ``[V, H]``: the buffers
-  the in-place scaling exists to avoid.
+  it into a copy (which only a reinplacing backend may remove again); done out of place, it
+  allocates one more ``[T, H]`` and ``[V, H]``: the buffers the in-place scaling exists to avoid.
 * ``swiglu``, ``swiglu_packed``, ``swiglu_down``: the backward writes dg and du over the saved g
   and u when ``_ownership.may_overwrite`` finds, by counting the references held to them when the
   backward runs, that it is their last reader. No custom-op schema says "mutates this input if
