@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import NEEDS_CXX
 
 from q35lab.numerics import ATOL, agreement, assert_close_by_rule
 from q35lab.ops.causal_conv1d import LaunchConfig, causal_conv1d, causal_conv1d_ref, launch_config
@@ -227,20 +228,166 @@ def test_output_can_be_edited_in_place():
     torch.testing.assert_close(dw, expected[1], rtol=1e-5, atol=1e-5)
 
 
-def test_under_torch_compile():
-    x, w, b, dy = _inputs(1, 10, 24, 4, torch.float32)
+# --------------------------------------------------------------------------------------------
+# The custom ops q35lab::causal_conv1d_fwd / _bwd: what torch.compile traces through.
+# --------------------------------------------------------------------------------------------
+def _opcheck_cases():
+    """(dtype, B, T, C, K, bias, initial rows, packed, final, config): tiles crossed, T below K-1
+    with initial rows, a packed batch, a 1-tap filter, the default launch configuration."""
+    return [pytest.param(*case, id=name) for name, case in {
+        "fp32-bias-final-small_tiles": (torch.float32, 2, 6, 18, 4, True, False, False, True, SMALL),
+        "bf16-initial_rows-T_below_K": (torch.bfloat16, 2, 2, 7, 4, False, True, False, True, None),
+        "fp32-packed": (torch.float32, 1, 9, 6, 3, True, False, True, False, SMALL),
+        "bf16-one_tap": (torch.bfloat16, 1, 5, 9, 1, True, False, False, False, None),
+    }.items()]
+
+
+@pytest.mark.parametrize("dtype,B,T,C,K,bias,init,packed,final,config", _opcheck_cases())
+def test_custom_ops_pass_opcheck(dtype, B, T, C, K, bias, init, packed, final, config):
+    """Schema (no mutation, no alias), fake against real, autograd registration, AOT dispatch with
+    dynamic shapes: the forward with every input trainable and with a frozen weight and bias, the
+    backward for every subset of gradients asked for, the final rows' gradient included."""
+    from q35lab.ops.causal_conv1d import _config_arg, _sequence_starts
+
+    fwd, bwd = torch.ops.q35lab.causal_conv1d_fwd.default, torch.ops.q35lab.causal_conv1d_bwd.default
+    x, w, b, dy = _inputs(B, T, C, K, dtype, bias=bias)
+    x = torch.cat([x, x], dim=-1)[..., :C] if packed else x  # a column slice: token stride 2C
+    h = torch.randn(B, K - 1, C, device=device()).to(dtype) if init else None
+    seq = _sequence_starts(torch.tensor([0, 4, 4, T], device=device()), B, T) if packed else None
+    fields = _config_arg(config)
+    for trainable in (True, False):
+        grad = lambda t, wanted: None if t is None else t.clone().requires_grad_(wanted)  # noqa: E731
+        args = (grad(x, True), grad(w, trainable), grad(b, trainable), seq, grad(h, True), True, final, fields)
+        torch.library.opcheck(fwd, args)
+    dfinal = torch.randn(B, K - 1, C, device=device()).to(dtype) if final else None
+    for dx, dw, db, dh in ((True, True, True, True), (True, False, False, False), (False, True, True, False),
+                           (False, False, False, True)):
+        torch.library.opcheck(bwd, (dy, x, w, b, seq, h, dfinal, True, dx, dw, db and bias, dh and init, fields))
+
+
+def _layer(conv, final):
+    """A linear before and a sine after the convolution (with initial rows and the final rows when
+    given ``h``): code around the op for the compiler to fuse."""
+    def layer(x, lin, w, b, h):
+        out = conv(x @ lin.t(), w, b, activation="silu", initial_rows=h, return_final_rows=final)
+        return (torch.sin(out[0]) * 2, out[1] * 3) if final else (torch.sin(out) * 2,)
+    return layer
+
+
+def _values_and_grads(fn, inputs, douts):
+    outs = fn(*inputs)
+    leaves = [t for t in inputs if t is not None and t.requires_grad]
+    return (*outs, *torch.autograd.grad(outs, leaves, douts))
+
+
+def _compile_cases():
+    """aot_eager for each dtype, a frozen and a trainable filter, with and without the rows a
+    segment hands on; inductor (seconds a compile on a CPU) for one of them."""
+    cases = [("aot_eager", torch.float32, True, False), ("aot_eager", torch.bfloat16, False, True),
+             ("aot_eager", torch.float32, False, True), ("inductor", torch.bfloat16, True, True)]
+    return [pytest.param(*case, marks=NEEDS_CXX if case[0] == "inductor" else (),
+                         id=f"{case[0]}-{str(case[1])[6:]}-{'trainable' if case[2] else 'frozen'}_w"
+                            f"{'-segment' if case[3] else ''}") for case in cases]
+
+
+@pytest.mark.parametrize("backend,dtype,trainable,segment", _compile_cases())
+def test_fullgraph_compile_matches_eager_by_the_rule(backend, dtype, trainable, segment, monkeypatch):
+    """fullgraph=True (a graph break would raise) over three shapes (the second compiles with
+    dynamic shapes, the third is one token, below K-1); output and every gradient by the numerics
+    rule against eager and against the reference with fp64. The launch configuration is chosen
+    when the compiled code runs."""
+    from q35lab.ops import causal_conv1d as op
+
+    chosen = []
+    record = lambda C, K, choose=op.launch_config: chosen.append((C, K)) or choose(C, K)  # noqa: E731
+    monkeypatch.setattr(op, "launch_config", record)
+    torch._dynamo.reset()
+    compiled = torch.compile(_layer(causal_conv1d, segment), fullgraph=True, backend=backend)
+    C, K = 37, 4
+    for B, T in [(2, 7), (1, 11), (1, 1)]:
+        x = torch.randn(B, T, 24, device=device()).to(dtype).requires_grad_()
+        lin = (0.2 * torch.randn(C, 24, device=device())).to(dtype).requires_grad_()
+        w = (0.5 * torch.randn(C, K, device=device())).to(dtype).requires_grad_(trainable)
+        b = (0.5 * torch.randn(C, device=device())).to(dtype).requires_grad_(trainable)
+        h = torch.randn(B, K - 1, C, device=device()).to(dtype).requires_grad_() if segment else None
+        douts = [torch.randn(B, T, C, device=device()).to(dtype)]
+        douts += [torch.randn(B, K - 1, C, device=device()).to(dtype)] if segment else []
+        inputs = (x, lin, w, b, h)
+        inputs64 = [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in inputs]
+        got = _values_and_grads(compiled, inputs, douts)
+        eager = _values_and_grads(_layer(causal_conv1d, segment), inputs, douts)
+        ref = _values_and_grads(_layer(causal_conv1d_ref, segment), inputs, douts)
+        exact = _values_and_grads(_layer(causal_conv1d_ref, segment), inputs64, [d.double() for d in douts])
+        names = ["y", *(["final"] if segment else []), "dx", "dlin", *(["dw", "db"] if trainable else []),
+                 *(["dh"] if segment else [])]
+        assert len(got) == len(names)
+        for name, a, e, r, r64 in zip(names, got, eager, ref, exact):
+            assert a.dtype == e.dtype == r.dtype and a.shape == e.shape == r.shape, name
+            assert_close_by_rule(f"{name} (compiled vs eager)", a, e, r64)
+            assert_close_by_rule(f"{name} (compiled vs reference)", a, r, r64)
+    assert set(chosen) == {(C, K)}
+
+
+def test_compiled_function_is_one_graph_holding_both_custom_ops():
+    """explain: no graph break; the forward graph calls the forward op, the backward graph the backward op."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    x, w, b, _ = _inputs(2, 6, 12, 4, torch.float32)
+    lin = torch.randn(12, 12, device=device(), requires_grad=True)
+    x, w, b = (t.requires_grad_() for t in (x, w, b))
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(_layer(causal_conv1d, False))(x, lin, w, b, None)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
+
+    graphs = {}
+
+    def keep(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind] = {node.target for node in gm.graph.nodes}
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    torch._dynamo.reset()
+    compiled = torch.compile(_layer(causal_conv1d, False), fullgraph=True,
+                             backend=aot_autograd(fw_compiler=keep("fwd"), bw_compiler=keep("bwd")))
+    compiled(x, lin, w, b, None)[0].sum().backward()
+    assert torch.ops.q35lab.causal_conv1d_fwd.default in graphs["fwd"]
+    assert torch.ops.q35lab.causal_conv1d_bwd.default in graphs["bwd"]
+
+
+def test_a_packed_batch_compiles_with_one_break_before_the_op():
+    """cu_seqlens' check reads values back to the host (one graph break, ops/_compile.py); the
+    convolution itself is still traced, and the result is eager's."""
+    from torch._dynamo.utils import counters
+
+    x, w, b, dy = _inputs(1, 12, 10, 4, torch.float32)
+    cu = torch.tensor([0, 5, 5, 12], dtype=torch.int32, device=device())
 
     def block(x, w, b):
-        return causal_conv1d(x * 1.5, w, b).sin() + 1
+        return causal_conv1d(x * 1.5, w, b, cu_seqlens=cu).sin() + 1
 
-    xs = [x.clone().requires_grad_() for _ in range(2)]
-    ws = [w.clone().requires_grad_() for _ in range(2)]
-    eager = block(xs[0], ws[0], b)
-    compiled = torch.compile(block, backend="aot_eager", fullgraph=False)(xs[1], ws[1], b)
-    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
-    for ge, gc in zip(torch.autograd.grad(eager, [xs[0], ws[0]], dy),
-                      torch.autograd.grad(compiled, [xs[1], ws[1]], dy)):
-        torch.testing.assert_close(gc, ge, rtol=1e-6, atol=1e-6)
+    torch._dynamo.reset()
+    counters.clear()
+    leaves = [[t.clone().requires_grad_() for t in (x, w, b)] for _ in range(2)]
+    eager = block(*leaves[0])
+    compiled = torch.compile(block, backend="aot_eager")(*leaves[1])
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    for ge, gc in zip(torch.autograd.grad(eager, leaves[0], dy), torch.autograd.grad(compiled, leaves[1], dy)):
+        torch.testing.assert_close(gc, ge, rtol=0, atol=0)
+    breaks = [reason for reason in counters["graph_break"] if "_sequence_starts" in reason]
+    assert breaks and sum(counters["graph_break"].values()) == sum(counters["graph_break"][r] for r in breaks)
+
+
+def test_a_second_derivative_through_the_compiled_op_raises():
+    """Eager raises q35lab's error (test_module_behaviour); a compiled graph refuses double backward first."""
+    x, w, b, _ = _inputs(1, 5, 8, 4, torch.float32)
+    x, w, b = (t.requires_grad_() for t in (x, w, b))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w, b: causal_conv1d(x, w, b).sin(), fullgraph=True, backend="aot_eager")
+    grads = torch.autograd.grad(compiled(x, w, b).sum(), [x, w, b], create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        sum(g.sum() for g in grads).backward()
 
 
 def test_empty_sequence_axis():

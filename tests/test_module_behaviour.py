@@ -145,6 +145,39 @@ def test_torch_compile_of_a_patched_peft_model_matches_eager():
     _assert_close_step(loss_and_grads(model, ids, run=compiled), eager)  # the second call reuses the graphs
 
 
+#: The ops that are torch.library custom ops (ops/_compile.py): a compiled model traces through them.
+CUSTOM_OPS = ("offset_rms_norm", "gated_rms_norm", "causal_conv1d")
+#: Ops still opaque to the compiler: each call is a graph break, named in the break's reason.
+OPAQUE_OPS = ("lora_linear", "fused_lora_projections", "swiglu_down", "linear_cross_entropy")
+
+
+def test_a_compiled_patched_model_breaks_its_graph_at_no_custom_op():
+    """Dynamo's graph-break reasons name the opaque ops (so this test sees breaks where there are
+    some) and none of the custom ops, whose calls sit inside the captured graphs; the compiled step
+    is still eager's."""
+    from torch._dynamo.utils import counters
+
+    from tiny_models import recording_backend
+
+    model = _peft_model()
+    q35lab.apply_to_qwen3_5(model)
+    ids = torch.randint(0, 128, (2, 9), device=device())
+    eager = loss_and_grads(model, ids)
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+    compiled = torch.compile(model, backend=recording_backend(graphs))
+    _assert_close_step(loss_and_grads(model, ids, run=compiled), eager)
+    reasons = list(counters["graph_break"])
+    for op in OPAQUE_OPS:
+        assert any(f"function {op} at" in r for r in reasons), f"no graph break at the opaque {op}"
+    for op in CUSTOM_OPS:
+        assert not any(op in r for r in reasons), f"{op} broke the graph: {[r for r in reasons if op in r]}"
+    traced = {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
+    for op in CUSTOM_OPS:
+        assert f"q35lab.{op}_fwd.default" in traced, f"no captured graph calls q35lab::{op}_fwd"
+
+
 def _first_order_cases():
     from q35lab.ops.causal_conv1d import causal_conv1d
     from q35lab.ops.swiglu import swiglu

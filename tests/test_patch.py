@@ -498,7 +498,7 @@ def test_mlp_same_loss_and_gradients_through_one_fused_node_and_the_swiglu_kerne
 # The causal convolution and the report of what runs.
 # ---------------------------------------------------------------------------------------------
 def test_conv_same_loss_and_gradients_through_the_kernel_and_an_unpatched_model_keeps_its_own(monkeypatch):
-    from q35lab.ops.causal_conv1d import CausalConv1dFunction
+    from q35lab.ops import causal_conv1d as conv_op
 
     model, other = causal_lm(), causal_lm()
     ids = torch.randint(0, 128, (2, 9), device=device())
@@ -508,7 +508,7 @@ def test_conv_same_loss_and_gradients_through_the_kernel_and_an_unpatched_model_
                                      varlen_attention=False)
     assert report.replaced == {"Qwen3_5GatedDeltaNet causal conv1d": 1, **skipped}
     assert report.runs["causal conv1d"].startswith("q35lab's")
-    calls = count_forward_calls(monkeypatch, CausalConv1dFunction)
+    calls = _count_calls(monkeypatch, conv_op, "causal_conv1d_fwd")
     _assert_same_step(before, _loss_and_grads(model, ids))
     assert len(calls) == 1
     _assert_same_step(other_before, _loss_and_grads(other, ids))  # same process, not patched

@@ -27,14 +27,17 @@ channels-last, even as a column slice of a wider buffer), the weight and bias (v
 ``x`` and the ``(T+K-1)·C`` conv output for SiLU: about twice as much.
 
 Layering: ``_causal_conv1d_fwd_kernel`` / ``_causal_conv1d_bwd_kernel`` (Triton) →
-``causal_conv1d_fwd`` / ``causal_conv1d_bwd`` (host) → ``CausalConv1dFunction`` →
-``causal_conv1d`` (functional); ``causal_conv1d_ref`` is transformers' ``causal_conv1d_fn`` in
+``causal_conv1d_fwd`` / ``causal_conv1d_bwd`` (host, launched as ``launch_config(C, K)`` says unless
+given ``config=``) → the custom ops ``q35lab::causal_conv1d_fwd`` / ``_bwd`` (``causal_conv1d_fwd_op``,
+with fake implementations and autograd, so ``torch.compile`` traces through) → ``causal_conv1d``
+(functional); ``causal_conv1d_ref`` is transformers' ``causal_conv1d_fn`` in
 PyTorch, per sequence, the reference every test compares against (with initial rows: on ``[h | x]``,
 the first K-1 outputs dropped).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -55,7 +58,8 @@ __all__ = [
     "causal_conv1d_ref",
     "causal_conv1d_fwd",
     "causal_conv1d_bwd",
-    "CausalConv1dFunction",
+    "causal_conv1d_fwd_op",
+    "causal_conv1d_bwd_op",
     "causal_conv1d",
     "LaunchConfig",
     "launch_config",
@@ -582,49 +586,101 @@ def causal_conv1d_bwd(
 
 
 # --------------------------------------------------------------------------------------------
-# Autograd and functional form.
+# Custom ops, autograd and functional form.
 # --------------------------------------------------------------------------------------------
 def _channels_last(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when its channels are contiguous (any token/batch stride), else one copy."""
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
-class CausalConv1dFunction(torch.autograd.Function):
-    """Autograd node: saves ``x`` (a reference, no copy when channels-last), the weight and bias,
-    with ``cu_seqlens`` the int32 sequence start of every token, and the initial rows if any; ``z``
-    is recomputed. Returns ``y``, and with ``final`` the final rows too (the last K-1 rows of
-    ``[h | x]``), whose gradient joins ``x``'s (and ``h``'s, for T < K-1)."""
+# Custom ops (torch.library): torch.compile traces through them with their fake implementations,
+# and autograd connects the two. The real implementations choose the launch configuration at run
+# time; an explicit one travels as its fields (a custom op takes no dataclass).
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(LaunchConfig))
 
-    @staticmethod
-    def forward(ctx, x, weight, bias, seq_start, initial_rows, silu: bool, config: LaunchConfig | None, final: bool):
-        C, K = x.shape[-1], weight.shape[-1]
-        weight2d = weight.reshape(C, K)
-        x = _channels_last(x)
-        h = None if initial_rows is None else _channels_last(initial_rows)
-        y = causal_conv1d_fwd(x, weight2d, bias, seq_start, silu, config, initial_rows=h)
-        ctx.save_for_backward(x, weight2d, bias, seq_start, h)
-        ctx.silu, ctx.config, ctx.weight_shape = silu, config, weight.shape
-        return (y, _final_rows(x, h, K)) if final else y
 
-    @staticmethod
-    @first_order_only
-    def backward(ctx, dy, dfinal=None):
-        x, weight2d, bias, seq_start, h = ctx.saved_tensors
-        needs_dx, needs_dw, needs_db, _, needs_dh = ctx.needs_input_grad[:5]
-        if dy is None:  # only the final rows were used
-            dy = torch.zeros_like(x)
-        dx, dw, db, dh = causal_conv1d_bwd(
-            _channels_last(dy), x, weight2d, bias, seq_start, ctx.silu,
-            compute_dx=needs_dx, compute_dw=needs_dw, compute_db=needs_db, config=ctx.config,
-            initial_rows=h, compute_dh=needs_dh,
-        )
-        if dfinal is not None:  # the final rows are the last K-1 rows of [h | x]: their gradient lands there
-            T, kept = x.shape[1], dfinal.shape[1]
-            if dx is not None and T:
-                dx[:, max(T - kept, 0):] += dfinal[:, max(kept - T, 0):].to(dx.dtype)
-            if dh is not None and T < kept:
-                dh[:, T:] += dfinal[:, :kept - T].to(dh.dtype)
-        return dx, (dw.view(ctx.weight_shape) if dw is not None else None), db, None, dh, None, None, None
+def _config_arg(config: LaunchConfig | None) -> list[int] | None:
+    return None if config is None else [getattr(config, name) for name in _CONFIG_FIELDS]
+
+
+@torch.library.custom_op("q35lab::causal_conv1d_fwd", mutates_args=())
+def causal_conv1d_fwd_op(
+    x: torch.Tensor, weight2d: torch.Tensor, bias: torch.Tensor | None, seq_start: torch.Tensor | None,
+    initial_rows: torch.Tensor | None, silu: bool, final: bool, config: list[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, final rows)``: the final rows (the last K-1 rows of ``[h | x]``) a new ``[B, K-1, C]``
+    tensor with ``final``, else empty (``[0]``: a custom op returns no None)."""
+    x = _channels_last(x)  # the caller's already are; a compiled graph may hand the op other strides
+    h = None if initial_rows is None else _channels_last(initial_rows)
+    cfg = None if config is None else LaunchConfig(*config)
+    y = causal_conv1d_fwd(x, weight2d, bias, seq_start, silu, cfg, initial_rows=h)
+    return y, (_final_rows(x, h, weight2d.shape[1]) if final else x.new_empty(0))
+
+
+@causal_conv1d_fwd_op.register_fake
+def _(x, weight2d, bias, seq_start, initial_rows, silu, final, config):
+    B, _, C = x.shape
+    return x.new_empty(x.shape), x.new_empty((B, weight2d.shape[1] - 1, C) if final else (0,))
+
+
+@torch.library.custom_op("q35lab::causal_conv1d_bwd", mutates_args=())
+def causal_conv1d_bwd_op(
+    dy: torch.Tensor, x: torch.Tensor, weight2d: torch.Tensor, bias: torch.Tensor | None,
+    seq_start: torch.Tensor | None, initial_rows: torch.Tensor | None, dfinal: torch.Tensor | None, silu: bool,
+    compute_dx: bool, compute_dw: bool, compute_db: bool, compute_dh: bool, config: list[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, dweight2d, dbias, dinitial_rows)``, each empty (``[0]``) unless asked for (``dbias``
+    also without bias, ``dinitial_rows`` without initial rows); ``dfinal``, the final rows'
+    gradient, is added where those rows came from."""
+    x = _channels_last(x)
+    h = None if initial_rows is None else _channels_last(initial_rows)
+    dx, dw, db, dh = causal_conv1d_bwd(
+        _channels_last(dy), x, weight2d, bias, seq_start, silu, compute_dx=compute_dx, compute_dw=compute_dw,
+        compute_db=compute_db, config=None if config is None else LaunchConfig(*config), initial_rows=h,
+        compute_dh=compute_dh,
+    )
+    if dfinal is not None:  # the final rows are the last K-1 rows of [h | x]: their gradient lands there
+        T, kept = x.shape[1], dfinal.shape[1]
+        if dx is not None and T:
+            dx[:, max(T - kept, 0):] += dfinal[:, max(kept - T, 0):].to(dx.dtype)
+        if dh is not None and T < kept:
+            dh[:, T:] += dfinal[:, :kept - T].to(dh.dtype)
+    # contiguous, as the fake implementation promises (the zero-size cases copy the inputs' strides)
+    return tuple(x.new_empty(0) if g is None else g.contiguous() for g in (dx, dw, db, dh))
+
+
+@causal_conv1d_bwd_op.register_fake
+def _(dy, x, weight2d, bias, seq_start, initial_rows, dfinal, silu, compute_dx, compute_dw, compute_db, compute_dh,
+      config):
+    def grad(like, wanted):
+        return like.new_empty(like.shape) if wanted and like is not None else x.new_empty(0)
+
+    return (grad(x, compute_dx), grad(weight2d, compute_dw), grad(bias, compute_db),
+            grad(initial_rows, compute_dh))
+
+
+def _setup_context(ctx, inputs, output):
+    """Saves ``x`` (a reference, no copy when channels-last), the weight and bias, with
+    ``cu_seqlens`` the int32 sequence start of every token, and the initial rows if any; ``z`` is
+    recomputed in the backward."""
+    x, weight2d, bias, seq_start, initial_rows, ctx.silu, ctx.final, ctx.config = inputs
+    ctx.save_for_backward(x, weight2d, bias, seq_start, initial_rows)
+
+
+def _backward(ctx, dy, dfinal):
+    x, weight2d, bias, seq_start, h = ctx.saved_tensors
+    needs_dx, needs_dw, needs_db, _, needs_dh = ctx.needs_input_grad[:5]
+    if dy is None:  # only the final rows were used
+        dy = torch.zeros_like(x)
+    dx, dw, db, dh = causal_conv1d_bwd_op(
+        dy, x, weight2d, bias, seq_start, h, dfinal if ctx.final else None, ctx.silu,
+        needs_dx, needs_dw, needs_db and bias is not None, needs_dh and h is not None, ctx.config,
+    )
+    return ((dx if needs_dx else None), (dw if needs_dw else None), (db if needs_db and bias is not None else None),
+            None, (dh if needs_dh and h is not None else None), None, None, None)
+
+
+causal_conv1d_fwd_op.register_autograd(first_order_only(_backward, op="causal_conv1d"), setup_context=_setup_context)
 
 
 def _final_rows(x: torch.Tensor, h: torch.Tensor | None, K: int) -> torch.Tensor:
@@ -651,6 +707,7 @@ def _check_weight(weight: torch.Tensor, C: int) -> int:
     return K
 
 
+@opaque_to_compile  # its checks read the values back to the host: a graph break with cu_seqlens only
 def _sequence_starts(cu_seqlens: torch.Tensor, B: int, T: int) -> torch.Tensor:
     """Check ``cu_seqlens`` (one device sync) and return each token's sequence start, int32 [T]."""
     if not isinstance(cu_seqlens, torch.Tensor):
@@ -676,7 +733,6 @@ def _sequence_starts(cu_seqlens: torch.Tensor, B: int, T: int) -> torch.Tensor:
     return cu[torch.searchsorted(cu, tokens, right=True) - 1].to(torch.int32)
 
 
-@opaque_to_compile  # a graph break under torch.compile (see _compile.py)
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -755,5 +811,8 @@ def causal_conv1d(
     check_bool("return_final_rows", return_final_rows)
     check_kernel_device(**tensors)
     seq_start = None if cu_seqlens is None else _sequence_starts(cu_seqlens, B, T)
-    return CausalConv1dFunction.apply(x, weight, bias, seq_start, initial_rows, activation is not None, config,
-                                      return_final_rows)
+    # what the backward reads: x and the initial rows channels-last (no copy when they are), the weight [C, K]
+    h = None if initial_rows is None else _channels_last(initial_rows)
+    y, final = causal_conv1d_fwd_op(_channels_last(x), weight.reshape(C, K), bias, seq_start, h,
+                                    activation is not None, return_final_rows, _config_arg(config))
+    return (y, final) if return_final_rows else y
