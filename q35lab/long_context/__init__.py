@@ -63,9 +63,7 @@ from .tiles import (
 __all__ = ["plan_long_context", "longest_planned_step", "LongContextPlan", "usable_gpu_bytes", "bytes_per_token",
            "MemoryModel", "plan_offload_layers", "tile_only_above", "offload_decoder_layers", "restore_decoder_layers",
            "CheckpointOffloader", "offloaded_checkpoints", "enable_checkpointing", "default_host_reserve",
-           "host_memory_available", "HOST_RESERVE_BYTES", "H200_USABLE_BYTES", "plan_checkpointing", "CheckpointPlan",
-           "checkpoint_budget", "checkpoint_order", "CHECKPOINT_MARGIN", "run_without_checkpointing",
-           "restore_checkpointing", "planned_layers"]
+           "host_memory_available", "HOST_RESERVE_BYTES", "H200_USABLE_BYTES", "plan_checkpointing", "CheckpointPlan"]
 
 
 def __dir__() -> list[str]:

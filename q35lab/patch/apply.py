@@ -135,7 +135,7 @@ def apply_to_qwen3_5(
             micro-batch (rows times padded length; a packed row's length). Required there.
         memory_budget (float, optional): with ``checkpointing="auto"``, the bytes the step's predicted
             peak may reach. Default: on a GPU, its free memory plus what this process holds, less
-            ``long_context.CHECKPOINT_MARGIN`` (10%) of its total; required for a model on a CPU.
+            ``long_context.CHECKPOINT_MARGIN`` of its total; required for a model on a CPU.
         strict (bool): raise, rather than warn, when ``model`` holds no Qwen3.5 module. Default: False.
         fused_linear_cross_entropy (bool, optional): Liger's name for ``flce``; give one of the two.
 
