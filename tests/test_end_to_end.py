@@ -1019,3 +1019,31 @@ def test_unsloth_checkpoint_loads_back_as_the_same_model(tmp_path):
         assert torch.equal(theirs[name], p), name
     tokenizer = AutoTokenizer.from_pretrained(folder)
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token_id == 0
+
+
+def test_checkpointing_variants_plan_the_layers_or_turn_checkpointing_off_and_train_a_step():
+    """q35lab+ckpt_auto plans for the step's tokens (against an H200's memory off a GPU: nothing checkpointed at
+    the tiny size); the +no_ckpt variants train with checkpointing off. Each runs a measured step."""
+    def forwards(model):
+        calls = []
+        for layer in model.get_base_model().model.layers:
+            layer.mlp.register_forward_pre_hook(lambda module, args: calls.append(1))
+        return calls
+
+    model = _model()
+    report = e2e.prepare(model, "q35lab+ckpt_auto", tokens=16)
+    assert report.checkpoint_plan.tokens == 16 and report.checkpoint_plan.checkpointed == ()
+    assert "0 of 4 decoder layers checkpointed" in report.runs["checkpointing"]
+    calls = forwards(model)
+    e2e.measure(model, T=16, steps=1, warmup=0)
+    assert len(calls) == LAYERS  # each layer's forward once
+    for variant in ("q35lab+no_ckpt", "peft+no_ckpt"):
+        model = _model()
+        report = e2e.prepare(model, variant, tokens=16)
+        assert (report is None) == (variant == "peft+no_ckpt")
+        assert not any(layer.gradient_checkpointing for layer in model.get_base_model().model.layers)
+        calls = forwards(model)
+        e2e.measure(model, T=16, steps=1, warmup=0)
+        assert len(calls) == LAYERS
+    with pytest.raises(ValueError, match="tokens_per_step"):
+        e2e.prepare(_model(), "q35lab+ckpt_auto")

@@ -31,6 +31,9 @@ NAMES = {
     "q35lab+offload": "q35lab + checkpoint offload",
     "q35lab+long": "q35lab + all three options",
     "q35lab+long_context": "q35lab + `long_context=` plan",
+    "q35lab+ckpt_auto": "q35lab + `checkpointing='auto'` plan",
+    "q35lab+no_ckpt": "q35lab without checkpointing",
+    "peft+no_ckpt": "PEFT without checkpointing",
 }
 #: The whole-step comparison: the peers, then q35lab, whose speed-up over each is shown.
 PEERS = ("peft", "peft+liger", "peft+liger+axolotl")

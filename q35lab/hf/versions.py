@@ -137,3 +137,12 @@ def enable_checkpointing(model, **checkpoint_kwargs) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
+
+
+def disable_checkpointing(model) -> None:
+    """Turn the model's activation checkpointing off (``activation_checkpointing_disable`` from 5.23,
+    ``gradient_checkpointing_disable`` below)."""
+    if hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()

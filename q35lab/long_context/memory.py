@@ -163,6 +163,20 @@ def _gdn_carry_bytes(d: _Dims, e: int) -> int:
     return 4 * d.Hv * d.dk * d.dv + (d.conv_kernel - 1) * d.conv_dim * e
 
 
+def _held_bytes(d: _Dims, e: int, r: int) -> dict[str, float]:
+    """Per-token bytes a decoder layer of each kind holds from its forward to its backward when it runs without
+    checkpointing: its input (saved by the input norm) and what its modules save, the terms of ``_phase_terms``'s
+    untiled phases less what only the backward makes (the MLP's dh)."""
+    phases = _phase_terms(d, e, r, tiled=False)
+    held = {}
+    for kind, phase in (("linear_attention", "MLP backward (GatedDeltaNet layer)"),
+                        ("full_attention", "MLP backward (attention layer)")):
+        if phase in phases:
+            terms = {name: value for name, value in phases[phase].items() if not name.startswith("MLP backward")}
+            held[kind] = d.H * e + sum(terms.values())
+    return held
+
+
 def _phase_terms(d: _Dims, e: int, r: int, tiled: bool, gdn_tile: int | None = None) -> dict[str, dict[str, float]]:
     """Per-token bytes of each phase of one layer's backward (checkpoints and residual excluded), counted from the
     code that runs: q35lab's patched modules (fused in_proj and gate/up, SwiGLU with the down projection in its node,
@@ -225,6 +239,7 @@ class MemoryModel:
         fixed (dict): the constant bytes, by name (weights, adapters and optimizer, slack, tiles).
         host_per_token (float): host bytes a token for the offloaded checkpoints.
         offloaded_layers (int): the decoder layers whose checkpoints are offloaded, of ``layers``.
+        not_checkpointed (tuple): the decoder layers that run without gradient checkpointing.
     """
 
     terms: dict
@@ -235,6 +250,7 @@ class MemoryModel:
     offloaded_layers: int
     layers: int
     notes: list = field(default_factory=list)
+    not_checkpointed: tuple = ()
 
     @property
     def per_token(self) -> float:
@@ -281,15 +297,19 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
                     offload: float | int | bool = False,
                     lora_rank: int = 16, dtype_bytes: int = 2, weight_bytes: int | None = None,
                     adapter_bytes: int = 4, batch: int = 1, loss_chunk_bytes: int | None = None,
-                    slack_bytes: float = 2 * GiB, other_trainable_parameters: int = 0) -> MemoryModel:
+                    slack_bytes: float = 2 * GiB, other_trainable_parameters: int = 0,
+                    not_checkpointed=()) -> MemoryModel:
     """Predict the peak of a Qwen3.5 LoRA step under gradient checkpointing, ``fixed + T · per_token``, term by term.
 
     Per token (e = ``dtype_bytes``, H the hidden size): the checkpoint inputs on the GPU at the peak (L·H·e; with k
     layers offloaded max(L − k, 2)·H·e), the residual stream's gradients (3·H·e), token ids, labels, positions and
     RoPE, and the largest phase: one layer's backward working set (MLP, GatedDeltaNet or attention, ``_phase_terms``;
     a tiled one keeps its input and dx, 2·H·e, and its carries) or the loss at the end of the forward (its logits
-    chunked). Fixed: the weights, the adapters with their gradients and AdamW's two fp32 moments, one chunk of the
-    fused loss's logits, one tile's working set where tiled, and ``slack_bytes``.
+    chunked). A layer that runs without checkpointing (``not_checkpointed``) holds, in place of its H·e checkpoint
+    input, its input and everything its modules save (``_held_bytes``) in every phase: the count is the backward's
+    first layer, where every layer's activations are alive. Fixed: the weights, the adapters with their gradients and
+    AdamW's two fp32 moments, one chunk of the fused loss's logits, one tile's working set where tiled, and
+    ``slack_bytes``.
 
     Args:
         config: a dense Qwen3.5 text config (``Qwen3_5TextConfig``, or a config holding one).
@@ -306,6 +326,8 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
         slack_bytes (float): cuBLAS workspaces, allocator rounding. Default: 2 GiB.
         other_trainable_parameters (int): parameters that train besides the adapters (``modules_to_save``, a full
             fine-tune), each with a gradient and two AdamW moments. Default: 0.
+        not_checkpointed (iterable of int): the indices of decoder layers that run without gradient checkpointing
+            (untiled, nothing offloaded). Default: () (every layer checkpointed).
 
     Returns:
         MemoryModel: the terms; its ``peak(T)`` and ``longest_fit(gpu_bytes)`` read them.
@@ -336,8 +358,19 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
     else:
         k = layer_count("offload", offload, d.L)
     on_gpu = d.L if k == 0 else max(d.L - k, min(2, d.L))
+    plain = layer_indices("not_checkpointed", not_checkpointed, d.L)
+    if plain and (k or tiled_mlp_tokens is not None or tiled_gdn_tokens is not None):
+        raise ValueError("not_checkpointed: the tiles and the offload run in checkpointed layers; give layers that "
+                         "run without checkpointing, or the tiles and offload, not both")
+    held = {}
+    if plain:
+        per_kind = _held_bytes(d, e, r)
+        on_gpu = d.L - len(plain)
+        held[f"activations of {len(plain)} decoder layers run without checkpointing"] = sum(
+            per_kind[d.layer_types[i]] for i in plain)
     common = {
         f"checkpoint inputs ({on_gpu} of {d.L} layers on the GPU)": on_gpu * d.H * e,
+        **held,
         "residual-stream gradients": 3 * d.H * e,
         "token ids, labels, positions, RoPE": 8 + 8 + 32 + 2 * d.rotary * e,
     }
@@ -351,7 +384,8 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
     phases = {name: {**common, **terms} for name, terms in
               _phase_terms(d, e, r, tiled=tiled_mlp_tokens is not None, gdn_tile=gdn_tile).items()}
     phases["loss (end of forward)"] = {
-        f"checkpoint inputs ({d.L - k} of {d.L} layers on the GPU)": (d.L - k) * d.H * e,
+        f"checkpoint inputs ({d.L - k - len(plain)} of {d.L} layers on the GPU)": (d.L - k - len(plain)) * d.H * e,
+        **held,
         "final norm: input, output": 2 * d.H * e,
         "fused loss: dx (computed in forward)": d.H * e,
         "token ids, labels, positions, RoPE": common["token ids, labels, positions, RoPE"],
@@ -385,7 +419,17 @@ def bytes_per_token(config, *, tiled_mlp_tokens: int | None = None, tiled_gdn_to
             + 2 * _gdn_carry_bytes(d, e) + (gdn_tile + d.conv_kernel - 1) * d.conv_dim * e)
     terms = {name: value * batch for name, value in phases[phase].items()}
     return MemoryModel(terms=terms, phase=phase, phases={n: t * batch for n, t in totals.items()}, fixed=fixed,
-                       host_per_token=k * d.H * e * batch, offloaded_layers=k, layers=d.L)
+                       host_per_token=k * d.H * e * batch, offloaded_layers=k, layers=d.L, not_checkpointed=plain)
+
+
+def layer_indices(name: str, value, layers: int) -> tuple[int, ...]:
+    """Distinct decoder-layer indices in [0, ``layers``), sorted; errors name ``name``."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{name}: expected an iterable of decoder-layer indices (ints), got {value!r}")
+    indices = set()
+    for index in value:
+        indices.add(check_int(name, index, minimum=0, maximum=layers - 1, what="a decoder-layer index"))
+    return tuple(sorted(indices))
 
 
 def memory_bytes(value: object, name: str) -> float:

@@ -1,5 +1,5 @@
 """The long-context planner: the cheapest options (offload, then tiles) that the memory model fits
-on a GPU for a step of T tokens, and the longest step some plan fits."""
+on a GPU for a step of T tokens, the longest step some plan fits, and the fewest checkpointed layers a step needs."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops._checks import check_real
 from .memory import H200_USABLE_BYTES, GiB, MemoryModel, bytes_per_token, dims, memory_bytes
 from .offload import HOST_RESERVE_BYTES, default_host_reserve, host_memory_available
 from .tiles import check_tile_tokens
@@ -225,3 +226,133 @@ def usable_gpu_bytes(device: torch.device | str | None = None) -> float:
         return float(H200_USABLE_BYTES)
     free, _ = torch.cuda.mem_get_info(device)
     return float(free + torch.cuda.memory_reserved(device))
+
+
+#: Of a GPU's total memory, what ``checkpoint_budget`` leaves unplanned: the memory model's error, the allocator's
+#: fragmentation, and what a longer-tailed step or another library takes beside it.
+CHECKPOINT_MARGIN = 0.10
+
+
+def checkpoint_budget(device: torch.device | str | None, margin: float = CHECKPOINT_MARGIN) -> float:
+    """The bytes a step's predicted peak may reach on ``device`` when ``plan_checkpointing`` plans for it:
+    ``free + reserved − margin · total`` (what the allocator can still get, less a margin of the card).
+
+    Args:
+        device (torch.device, str or int): a CUDA device.
+        margin (float): the fraction of the total memory left unplanned, in [0, 1). Default: ``CHECKPOINT_MARGIN``.
+
+    Returns:
+        float: the bytes.
+
+    Raises:
+        TypeError: ``device`` not a device, ``margin`` not a number.
+        ValueError: a device that is not a CUDA GPU (there is no memory to plan against: give ``memory_budget``),
+            ``margin`` out of range.
+    """
+    margin = check_real("margin", margin, minimum=0.0, what="a fraction of the GPU's memory")
+    if margin >= 1.0:
+        raise ValueError(f"margin: expected a fraction of the GPU's memory in [0, 1), got {margin!r}")
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int, type(None))):
+        raise TypeError(f"device: expected a torch.device, a string such as 'cuda' or None, got {device!r}")
+    device = torch.device("cpu" if device is None else device)
+    if device.type != "cuda":
+        raise ValueError(f"memory_budget: the model is on {device.type!r}, which has no GPU memory to plan "
+                         "checkpointing against; pass memory_budget= (the bytes a step's peak may reach)")
+    free, total = torch.cuda.mem_get_info(device)
+    return float(free + torch.cuda.memory_reserved(device) - margin * total)
+
+
+def checkpoint_order(config, **model_settings) -> tuple[int, ...]:
+    """The decoder layers in the order ``plan_checkpointing`` runs them without checkpointing: those that hold the
+    fewest bytes a token first (``bytes_per_token``'s held activations), the later of two equal ones first (its
+    activations are freed earliest in the backward)."""
+    d = dims(config)
+    held = {}
+    for index in range(d.L):
+        model = bytes_per_token(config, not_checkpointed=(index,), **model_settings)
+        held[index] = model.per_token
+    return tuple(sorted(range(d.L), key=lambda i: (held[i], -i)))
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """What ``plan_checkpointing`` chose for steps of up to ``tokens``; ``print`` it for a summary.
+
+    Attributes:
+        tokens (int): the step's tokens the plan is made for (a micro-batch's rows times their length).
+        checkpointed (tuple): the decoder layers that keep gradient checkpointing.
+        not_checkpointed (tuple): the decoder layers that run without it (their forward once a step).
+        fits (bool): whether the step is predicted to fit ``budget`` (with every layer checkpointed where nothing
+            fits: the fewest bytes the memory model knows).
+        model (MemoryModel): the prediction for the plan (``model.peak(tokens)``).
+        budget (float): the bytes the predicted peak may reach.
+        budget_source (str): where ``budget`` came from.
+    """
+
+    tokens: int
+    checkpointed: tuple
+    not_checkpointed: tuple
+    fits: bool
+    model: MemoryModel
+    budget: float
+    budget_source: str = "given"
+
+    @property
+    def layers(self) -> int:
+        return len(self.checkpointed) + len(self.not_checkpointed)
+
+    @property
+    def peak(self) -> float:
+        return self.model.peak(self.tokens)
+
+    def __str__(self) -> str:
+        verdict = "fits" if self.fits else "may not fit: every layer checkpointed is the least the plan can do"
+        return (f"{len(self.checkpointed)} of {self.layers} decoder layers checkpointed for steps of up to "
+                f"{self.tokens:,} tokens (longer steps checkpoint every layer); predicted peak "
+                f"{self.peak / GiB:.1f} GiB of a budget of {self.budget / GiB:.1f} GiB ({self.budget_source}): "
+                f"{verdict}")
+
+
+def plan_checkpointing(config, tokens: int, *, memory_budget: float, budget_source: str = "given",
+                       **model_settings) -> CheckpointPlan:
+    """The fewest checkpointed decoder layers under which a step of ``tokens`` is predicted (``bytes_per_token``)
+    to peak within ``memory_budget``: the layers leave checkpointing in ``checkpoint_order`` while the peak,
+    ``fixed + T · per_token`` with each such layer holding its activations in place of its checkpoint input, fits.
+    The peak grows with each layer taken out, so a larger budget never checkpoints more layers. Where not even
+    every layer checkpointed fits, the plan checkpoints every layer, with ``fits=False``.
+
+    Args:
+        config: a dense Qwen3.5 text config (``Qwen3_5TextConfig``, or a config holding one).
+        tokens (int): the step's tokens: a micro-batch's rows times their (padded) length.
+        memory_budget (float): the bytes the predicted peak may reach (``checkpoint_budget`` for a GPU).
+        budget_source (str): where the budget came from, for the summary. Default: "given".
+        **model_settings: ``bytes_per_token``'s arguments (``lora_rank``, ``dtype_bytes``, ...), not the tiles,
+            the offload or ``not_checkpointed``.
+
+    Returns:
+        CheckpointPlan: the layers and the prediction.
+
+    Raises:
+        TypeError: ``config`` not a dense Qwen3.5 config, an argument not a number (``tokens`` not an int).
+        ValueError: ``tokens`` below 1, ``memory_budget`` negative or not finite, a long-context setting given.
+        NotImplementedError: a MoE config.
+    """
+    tokens = check_tile_tokens(tokens, "tokens", "the step's tokens")
+    memory_budget = memory_bytes(memory_budget, "memory_budget")
+    refused = {"tiled_mlp_tokens", "tiled_gdn_tokens", "offload", "not_checkpointed"} & set(model_settings)
+    if refused:
+        raise ValueError(f"{', '.join(sorted(refused))}: plan_checkpointing plans untiled layers, none offloaded; "
+                         "the long-context options need every layer checkpointed")
+    order = checkpoint_order(config, **model_settings)
+    chosen = bytes_per_token(config, **model_settings)
+    fits = chosen.peak(tokens) <= memory_budget
+    if fits:
+        for n in range(1, len(order) + 1):
+            model = bytes_per_token(config, not_checkpointed=order[:n], **model_settings)
+            if model.peak(tokens) > memory_budget:
+                break
+            chosen = model
+    plain = chosen.not_checkpointed
+    return CheckpointPlan(tokens=tokens, checkpointed=tuple(i for i in range(chosen.layers) if i not in plain),
+                          not_checkpointed=plain, fits=fits, model=chosen, budget=memory_budget,
+                          budget_source=budget_source)

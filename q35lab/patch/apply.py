@@ -15,11 +15,13 @@ from ..hf.modules import (
 )
 from ..long_context.tiles import check_tile_tokens, tile_only_above
 from ..ops._checks import check_bool, check_module
-from . import attention, conv, experts, in_proj, long_context_options, lora, loss, mlp, norms
+from . import attention, checkpointing, conv, experts, in_proj, long_context_options, lora, loss, mlp, norms
 from .attention import (
     NAME,
     describe,
 )
+from .checkpointing import checkpointing_options, refuse_with_long_context
+from .checkpointing import plan_for_model as checkpoint_plan_for_model
 from .conv import (
     causal_conv,
     delta_rule_core,
@@ -39,7 +41,7 @@ from .report import PatchReport
 #: SwiGLU; LoRA layers that a fused group computes are not routed). ``revert`` runs them reversed.
 FEATURES = (in_proj.FEATURE, conv.FEATURE, long_context_options.TILED_GDN, mlp.FEATURE, experts.FEATURE,
             long_context_options.TILED_MLP, loss.FEATURE, norms.FEATURE, lora.FEATURE, attention.FEATURE,
-            long_context_options.OFFLOAD, attention.BOUNDARIES)
+            long_context_options.OFFLOAD, checkpointing.CHECKPOINTING, attention.BOUNDARIES)
 
 
 def _record_what_runs(model: torch.nn.Module, report: PatchReport) -> None:
@@ -74,6 +76,9 @@ def apply_to_qwen3_5(
     tiled_gdn: int | None = None,
     offload_checkpoints: float | int | None = 0,
     long_context: int | None = None,
+    checkpointing: str | None = None,
+    tokens_per_step: int | None = None,
+    memory_budget: float | None = None,
     strict: bool = False,
     fused_linear_cross_entropy: bool | None = None,
 ) -> PatchReport:
@@ -120,6 +125,17 @@ def apply_to_qwen3_5(
         long_context (int, optional): the longest step's tokens: plans the three options above for
             it (``plan_long_context`` against the model's GPU; dense models only), in
             place of them. Default: None.
+        checkpointing (str, optional): "auto": gradient-checkpoint only the decoder layers a step of
+            ``tokens_per_step`` needs to fit the memory (``long_context.plan_checkpointing``, the fewest
+            the memory model allows; the others run their forward once a step, keeping their
+            activations), turning checkpointing on if it is off; a longer step checkpoints every
+            layer, with a warning. Not with the long-context options, which need every layer
+            checkpointed; dense models only. None: the model's checkpointing as it is. Default: None.
+        tokens_per_step (int, optional): with ``checkpointing="auto"``, the longest step's tokens a
+            micro-batch (rows times padded length; a packed row's length). Required there.
+        memory_budget (float, optional): with ``checkpointing="auto"``, the bytes the step's predicted
+            peak may reach. Default: on a GPU, its free memory plus what this process holds, less
+            ``long_context.CHECKPOINT_MARGIN`` of its total; required for a model on a CPU.
         strict (bool): raise, rather than warn, when ``model`` holds no Qwen3.5 module. Default: False.
         fused_linear_cross_entropy (bool, optional): Liger's name for ``flce``; give one of the two.
 
@@ -130,15 +146,19 @@ def apply_to_qwen3_5(
     Raises:
         TypeError: ``model`` not a module, a flag not a bool, a tile or ``long_context`` not an int,
             ``offload_checkpoints`` not a number, ``flce`` and ``fused_linear_cross_entropy`` both
-            given, ``long_context`` for a model without a transformers config.
+            given, ``long_context`` or ``checkpointing`` for a model without a transformers config,
+            ``checkpointing`` not a string, ``tokens_per_step`` not an int, ``memory_budget`` not a number.
         ValueError: a tile, ``long_context`` or ``offload_checkpoints`` out of range, ``long_context``
-            with the options it plans or on a model that has them, no Qwen3.5 module with ``strict``.
-        NotImplementedError: ``long_context`` for a MoE model.
+            with the options it plans or on a model that has them, no Qwen3.5 module with ``strict``;
+            ``checkpointing`` not None or "auto", ``tokens_per_step`` missing with it or given
+            without it, ``memory_budget`` negative, missing for a model on a CPU or given without
+            it, ``checkpointing="auto"`` with the long-context options (given or on the model).
+        NotImplementedError: ``long_context`` or ``checkpointing`` for a MoE model.
         RuntimeError: the model is sharded already (FSDP2).
 
     Warns:
-        UserWarning: no Qwen3.5 module found (nothing is patched), or a ``long_context`` plan that
-            does not fit.
+        UserWarning: no Qwen3.5 module found (nothing is patched), or a ``long_context`` or
+            ``checkpointing`` plan that does not fit.
     """
     check_module("model", model)
     flags = {"rms_norm": rms_norm, "gated_norm": gated_norm, "lora": lora, "in_proj": in_proj, "conv": conv,
@@ -153,6 +173,10 @@ def apply_to_qwen3_5(
         if tiled_mlp or tiled_gdn or offload_checkpoints:
             raise ValueError("long_context: it plans tiled_mlp, tiled_gdn and offload_checkpoints itself; pass either "
                              "long_context or those options, not both")
+    step_tokens, memory_budget = checkpointing_options(checkpointing, tokens_per_step, memory_budget)
+    refuse_with_long_context(model, checkpointing is not None,
+                             {"tiled_mlp": tiled_mlp, "tiled_gdn": tiled_gdn,
+                              "offload_checkpoints": offload_checkpoints, "long_context": long_context})
     refuse_sharded(model, "apply_to_qwen3_5")
     if not holds_qwen3_5(model):
         if strict:
@@ -166,9 +190,14 @@ def apply_to_qwen3_5(
         if not plan.fits:
             warnings.warn(f"q35lab: long_context={long_context}: {plan}", stacklevel=2)
         tiled_mlp, tiled_gdn, offload_checkpoints = plan.tiled_mlp, plan.tiled_gdn, plan.offload_layers
+    checkpoint_plan = None
+    if step_tokens is not None:
+        checkpoint_plan = checkpoint_plan_for_model(model, step_tokens, memory_budget)
+        if not checkpoint_plan.fits:
+            warnings.warn(f"q35lab: checkpointing='auto': {checkpoint_plan}", stacklevel=2)
     options = Options(rms_norm=rms_norm, gated_norm=gated_norm, lora=lora, in_proj=in_proj, flce=flce, conv=conv,
                       swiglu=swiglu, experts=experts, varlen_attention=varlen_attention, tiled_mlp=tiled_mlp,
-                      tiled_gdn=tiled_gdn, offload_checkpoints=offload_checkpoints)
+                      tiled_gdn=tiled_gdn, offload_checkpoints=offload_checkpoints, checkpointing=checkpoint_plan)
     report = PatchReport()
     for flag in ("rms_norm", "gated_norm", "lora", "in_proj", "flce", "conv", "swiglu", "experts", "varlen_attention"):
         if not getattr(options, flag):

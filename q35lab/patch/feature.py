@@ -12,7 +12,8 @@ from .report import PatchReport
 
 @dataclass(frozen=True)
 class Options:
-    """``apply_to_qwen3_5``'s switches, checked: a flag each, the tile sizes (None: off) and the offload."""
+    """``apply_to_qwen3_5``'s switches, checked: a flag each, the tile sizes (None: off), the offload and the
+    checkpointing plan (a ``long_context.CheckpointPlan``; None: the model's checkpointing as it is)."""
 
     rms_norm: bool = True
     gated_norm: bool = True
@@ -26,6 +27,7 @@ class Options:
     tiled_mlp: int | None = None
     tiled_gdn: int | None = None
     offload_checkpoints: float | int = 0
+    checkpointing: object = None
 
 
 @dataclass(frozen=True)

@@ -31,18 +31,29 @@ def plan_for_model(model: torch.nn.Module, tokens) -> LongContextPlan:
     if getattr(config.get_text_config(), "num_experts", None):
         raise NotImplementedError("long_context: the memory model covers the dense Qwen3.5 models, not the MoE; "
                                   "pass tiled_gdn and offload_checkpoints yourself")
-    weight = next(model.parameters(), None)
-    if weight is None:
-        raise TypeError(f"long_context: {type(model).__name__} has no parameters to plan for")
+    weight = first_parameter(model, "long_context")
     if has_long_context_options(model):
         raise ValueError("long_context: the model carries long-context options already (tiles or an offload); "
                          "q35lab.revert(model) first, then patch it with the plan")
+    return plan_long_context(config, tokens, gpu_bytes=usable_gpu_bytes(weight.device), **model_settings(model))
+
+
+def first_parameter(model: torch.nn.Module, option: str) -> torch.nn.Parameter:
+    """The model's first parameter (its device and dtype are the step's); ``TypeError`` naming ``option`` without."""
+    weight = next(model.parameters(), None)
+    if weight is None:
+        raise TypeError(f"{option}: {type(model).__name__} has no parameters to plan for")
+    return weight
+
+
+def model_settings(model: torch.nn.Module) -> dict:
+    """``bytes_per_token``'s settings read off a model: its LoRA rank, its other trainable parameters, the bytes of
+    its weights' dtype (the activations')."""
     lora = [m for m in model.modules() if is_peft_lora_linear(m) and m.r]
     adapters = {id(p) for m in lora for name, p in m.named_parameters() if "lora_" in name}
     others = sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in adapters)
-    return plan_long_context(config, tokens, gpu_bytes=usable_gpu_bytes(weight.device),
-                                          lora_rank=max((max(m.r.values()) for m in lora), default=0),
-                                          dtype_bytes=weight.element_size(), other_trainable_parameters=others)
+    return dict(lora_rank=max((max(m.r.values()) for m in lora), default=0),
+                dtype_bytes=next(model.parameters()).element_size(), other_trainable_parameters=others)
 
 
 def apply_tiled_mlp(mlp: torch.nn.Module, tile_tokens: int, report: PatchReport) -> None:

@@ -24,6 +24,8 @@ class PatchReport:
         runs (dict): what computes the parts q35lab does not replace, or replaces only sometimes
             (the delta-rule core, the causal conv1d, packed batches, the long-context plan), and
             what to do where it is slow.
+        checkpoint_plan (CheckpointPlan, optional): with ``checkpointing="auto"``, the decoder layers checkpointed
+            and not, the predicted peak and the budget (also in ``runs["checkpointing"]``).
     """
 
     replaced: Counter = field(default_factory=Counter)
@@ -33,6 +35,7 @@ class PatchReport:
     reverted: Counter = field(default_factory=Counter)
     qwen3_5: bool = True
     runs: dict = field(default_factory=dict)
+    checkpoint_plan: object = None
 
     @property
     def total(self) -> int:

@@ -24,6 +24,14 @@ LONG_CONTEXT = {
     "q35lab+long_context": "q35lab with apply_to_qwen3_5(long_context=N): the options planned for N = 524,288 tokens "
                            "(or the step's, if longer) on this GPU and host",
 }
+#: How many decoder layers are gradient-checkpointed: the plan of apply_to_qwen3_5(checkpointing="auto") for the
+#: longest step asked, or none (every layer's forward once a step: what no checkpointing costs, and saves).
+CHECKPOINTING = {
+    "q35lab+ckpt_auto": "q35lab with apply_to_qwen3_5(checkpointing='auto'): only the decoder layers the memory model "
+                        "says the longest step needs stay checkpointed (its GPU's memory less 10%)",
+    "q35lab+no_ckpt": "q35lab without gradient checkpointing",
+    "peft+no_ckpt": "PEFT with its defaults, without gradient checkpointing",
+}
 VARIANTS = {
     "peft": "PEFT with its defaults (fp32 adapters, input cast)",
     "peft+liger": "PEFT + apply_liger_kernel_to_qwen3_5 (_moe for the MoE): RMSNorm, SwiGLU, "
@@ -41,12 +49,15 @@ VARIANTS = {
     **{f"q35lab:{flag}": f"PEFT + q35lab, only {flag}" for flag in ALL_FLAGS},
     **{f"q35lab-{flag}": f"PEFT + q35lab, every optimization but {flag}" for flag in ALL_FLAGS},
     **LONG_CONTEXT,
+    **CHECKPOINTING,
 }
 
 
 def prepare(model, variant: str, tokens: int | None = None, batch: str | None = None):
     """Apply ``variant`` to a PEFT model in place; returns what the patch reported (or None).
     ``tokens``, the longest sequence the model will train on, sizes the checkpoint offload.
+    ``tokens`` also plans q35lab+ckpt_auto's checkpointing (a model on a CPU is planned against an H200's
+    memory, ``H200_USABLE_BYTES``, less the same margin).
     ``batch`` (None, "packed" or "padded"), the kind of batch it will train on: axolotl installs its
     packing forward only for packed runs, and that forward turns the position_ids of a padded batch
     of several rows into one set of cu_seqlens, which FLA refuses.
@@ -56,6 +67,11 @@ def prepare(model, variant: str, tokens: int | None = None, batch: str | None = 
     if variant not in VARIANTS:
         raise ValueError(f"variant: expected one of {sorted(VARIANTS)}, got {variant!r}")
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if variant.endswith("+no_ckpt"):  # the model comes with checkpointing on (model.build)
+        from ...hf import versions
+
+        versions.disable_checkpointing(model)
+        variant = variant.removesuffix("+no_ckpt")
     if variant in ("peft", "unsloth"):  # Unsloth's model comes patched from its own loader (cli._built)
         return None
     if variant == "peft+liger":  # Liger has one entry point for the dense models, one for the MoE
@@ -69,6 +85,9 @@ def prepare(model, variant: str, tokens: int | None = None, batch: str | None = 
                                              liger=variant == "peft+liger+axolotl")
     from ...patch import apply_to_qwen3_5
 
+    if variant == "q35lab+ckpt_auto":
+        return apply_to_qwen3_5(model, checkpointing="auto", tokens_per_step=tokens,
+                                memory_budget=_cpu_checkpoint_budget(model))
     if variant == "q35lab+long_context":
         return apply_to_qwen3_5(model, long_context=max(tokens or 0, PLAN_TOKENS))
     if variant in LONG_CONTEXT:
@@ -84,6 +103,16 @@ def prepare(model, variant: str, tokens: int | None = None, batch: str | None = 
                                                                     tiled_gdn_tokens=TILE_TOKENS)
         return apply_to_qwen3_5(model, **options)
     return apply_to_qwen3_5(model, **_flags(variant))
+
+
+def _cpu_checkpoint_budget(model) -> float | None:
+    """None on a GPU (the plan reads its memory); off one, an H200's usable memory less the plan's margin, so that
+    the variant runs its plan at the harness's tiny size on a CPU."""
+    from ...long_context import CHECKPOINT_MARGIN, H200_USABLE_BYTES
+
+    if next(model.parameters()).device.type == "cuda":
+        return None
+    return (1 - CHECKPOINT_MARGIN) * H200_USABLE_BYTES
 
 
 def report_text(report) -> str:
