@@ -69,10 +69,16 @@ def lora_linear_ref(x, weight, lora_A, lora_B, scaling, bias=None, dropout=0.0, 
     return y + torch.nn.functional.linear(xa, lora_B.to(dtype)) * scaling
 
 
-def lora_linear_fwd(x, weight, bias, lora_A, lora_B, scaling: float, dropout: float, seed: int):
+# read on the host inside the op (never under a compiled graph): it breaks no graph
+def _seed_value(seed: torch.Tensor | None) -> int:
+    return 0 if seed is None else int(seed.item())
+
+
+def lora_linear_fwd(x, weight, bias, lora_A, lora_B, scaling: float, dropout: float, seed: torch.Tensor | None):
     """``(y, xa)``: the output, a new ``[..., N]`` tensor, and ``xa = d(x)·Aᵀ`` ``[T, r]`` (saved
-    for the backward); see the module docstring for the math."""
-    dtype, T = x.dtype, row_count(x)
+    for the backward); see the module docstring for the math. ``seed``: the dropout mask's, a
+    one-element int64 CPU tensor (None without dropout). The forward custom op runs this."""
+    dtype, T, seed = x.dtype, row_count(x), _seed_value(seed)
     x2d = x.reshape(T, x.shape[-1])
     a, b_scaled = cast_factor(lora_A, dtype), scaled_b(lora_B, scaling, dtype)  # rank-r: cheap casts
     xa = dropped(x2d, dropout, seed) @ a.t()  # [T, r]
@@ -83,11 +89,12 @@ def lora_linear_fwd(x, weight, bias, lora_A, lora_B, scaling: float, dropout: fl
     return y, xa
 
 
-def lora_linear_bwd(dy, x, weight, lora_A, lora_B, xa, scaling: float, dropout: float, seed: int,
+def lora_linear_bwd(dy, x, weight, lora_A, lora_B, xa, scaling: float, dropout: float, seed: torch.Tensor | None,
                     bias_dtype: torch.dtype, needs_x: bool, needs_w: bool, needs_b: bool, needs_a: bool,
                     needs_bm: bool):
-    """``(dx, dweight, dbias, dlora_A, dlora_B)``, each None unless asked for."""
-    dtype, T = x.dtype, row_count(x)
+    """``(dx, dweight, dbias, dlora_A, dlora_B)``, each empty (``[0]``) unless asked for (a custom
+    op returns no None); ``dbias`` ``[N]`` in ``bias_dtype``. The backward custom op runs this."""
+    dtype, T, seed = x.dtype, row_count(x), _seed_value(seed)
     x2d = x.reshape(T, x.shape[-1])
     dy2d = dy.reshape(T, dy.shape[-1]).to(dtype)
     dxa = dy2d @ scaled_b(lora_B, scaling, dtype)  # [T, r]: s · dy·B
@@ -102,23 +109,19 @@ def lora_linear_bwd(dy, x, weight, lora_A, lora_B, xa, scaling: float, dropout: 
         dW = (dy2d.t() @ x2d).to(weight.dtype)
     if needs_b:
         db = dy2d.sum(0).to(bias_dtype)
-    return dx, dW, db, dA, dB
+    # contiguous, as the fake implementation promises
+    return tuple(x.new_empty(0) if g is None else g.contiguous() for g in (dx, dW, db, dA, dB))
 
 
 # Custom ops (torch.library): torch.compile traces through them with their fake implementations,
-# and autograd connects the two. The dropout seed travels as a one-element int64 tensor, drawn by
-# the caller: read on the host inside the op, it breaks no graph.
-def _seed_value(seed: torch.Tensor | None) -> int:
-    return 0 if seed is None else int(seed.item())
-
-
+# and autograd connects the two. Each runs the public function of its name, argument for argument.
 @torch.library.custom_op("q35lab::lora_linear_fwd", mutates_args=())
 def lora_linear_fwd_op(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_A: torch.Tensor, lora_B: torch.Tensor,
     scaling: float, dropout: float, seed: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, xa)``: ``y`` ``[..., N]`` in ``x``'s dtype, ``xa`` ``[T, r]``; ``seed`` None without dropout."""
-    return lora_linear_fwd(x, weight, bias, lora_A, lora_B, scaling, dropout, _seed_value(seed))
+    return lora_linear_fwd(x, weight, bias, lora_A, lora_B, scaling, dropout, seed)
 
 
 @lora_linear_fwd_op.register_fake
@@ -134,10 +137,8 @@ def lora_linear_bwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, dweight, dbias, dlora_A, dlora_B)``, each empty (``[0]``) unless asked for (a custom
     op returns no None); ``dbias`` ``[N]`` in ``bias_dtype``."""
-    grads = lora_linear_bwd(dy, x, weight, lora_A, lora_B, xa, scaling, dropout, _seed_value(seed), bias_dtype,
-                            compute_dx, compute_dweight, compute_dbias, compute_dlora_A, compute_dlora_B)
-    # contiguous, as the fake implementation promises
-    return tuple(x.new_empty(0) if g is None else g.contiguous() for g in grads)
+    return lora_linear_bwd(dy, x, weight, lora_A, lora_B, xa, scaling, dropout, seed, bias_dtype,
+                           compute_dx, compute_dweight, compute_dbias, compute_dlora_A, compute_dlora_B)
 
 
 @lora_linear_bwd_op.register_fake
