@@ -1,14 +1,16 @@
 """lora_linear against PEFT's LoRA layer, and the routing of PEFT layers through it."""
 
+import inspect
+
 import pytest
 import torch
 
 import q35lab
 from q35lab.numerics import assert_close_by_rule
-from q35lab.ops.lora import LoRALinearFunction, dropout_mask, lora_linear, lora_linear_ref
+from q35lab.ops import lora as lora_op
+from q35lab.ops.lora import dropout_mask, lora_linear, lora_linear_ref
 from q35lab.patch.lora import route_lora
 from q35lab.runtime import device
-from tiny_models import count_forward_calls, recording_backend
 
 peft = pytest.importorskip("peft")
 
@@ -230,27 +232,110 @@ def test_zero_sizes_give_what_f_linear_gives(lead, K, N, r, bias):
                            torch.nn.functional.linear(args["x"], args["weight"], args["bias"]))
 
 
-def test_torch_compile_breaks_the_graph_at_the_op_and_matches_eager():
-    """The op runs eagerly between two compiled graphs (the code before it, the code after it),
-    and a compiled function's output and gradients are eager's."""
-    import inspect
+# ---------------------------------------------------------------------------------------------
+# The custom ops q35lab::lora_linear_fwd / _bwd: what torch.compile traces through.
+# ---------------------------------------------------------------------------------------------
+def _op_args(lead, K, N, r, dtype, bias, dropout):
+    """The forward op's arguments: x in ``dtype``, fp32 adapters (PEFT's default), every tensor trainable."""
+    draw = lambda *shape: (0.5 * torch.randn(*shape, device=device())).requires_grad_()  # noqa: E731
+    seed = torch.randint(0, 2**62, (1,)) if dropout else None
+    return (draw(*lead, K).to(dtype).detach().requires_grad_(), draw(N, K).to(dtype).detach().requires_grad_(),
+            draw(N).to(dtype).detach().requires_grad_() if bias else None, draw(r, K), draw(N, r), 1.5, dropout, seed)
+
+
+@pytest.mark.parametrize("lead,K,N,r,dtype,bias,dropout", [
+    ((2, 3), 13, 9, 1, torch.float32, True, 0.0),  # a 3-D input, rank 1
+    ((5,), 8, 6, 3, torch.bfloat16, False, 0.25),
+], ids=["fp32-3d-rank1-bias", "bf16-dropout"])
+def test_custom_ops_pass_opcheck(lead, K, N, r, dtype, bias, dropout):
+    """Schema (no mutation, no alias), fake against real, autograd registration, AOT dispatch with
+    dynamic shapes: the forward with every tensor trainable and with a frozen base, the backward for
+    every gradient and for the adapters' alone."""
+    fwd, bwd = torch.ops.q35lab.lora_linear_fwd.default, torch.ops.q35lab.lora_linear_bwd.default
+    args = _op_args(lead, K, N, r, dtype, bias, dropout)
+    torch.library.opcheck(fwd, args)
+    frozen = [t.detach() if i in (1, 2) and t is not None else t for i, t in enumerate(args)]
+    torch.library.opcheck(fwd, tuple(frozen))
+    x, weight, b, lora_A, lora_B, scaling, _, seed = (t.detach() if isinstance(t, torch.Tensor) else t for t in args)
+    y, xa = fwd(x, weight, b, lora_A, lora_B, scaling, dropout, seed)
+    dy = torch.randn_like(y)
+    for wanted in ((True, True, bias, True, True), (False, False, False, True, True)):
+        torch.library.opcheck(bwd, (dy, x, weight, lora_A, lora_B, xa, scaling, dropout, seed, dtype, *wanted))
+
+
+def _step(linear):
+    """Code around the op for the compiler to fuse: a sine before it, a SiLU after it."""
+    def step(x, weight, lora_A, lora_B, bias, dropout):
+        return torch.nn.functional.silu(linear(torch.sin(x) * 1.5, weight, lora_A, lora_B, 0.5, bias, dropout))
+    return step
+
+
+def _reference(x, weight, lora_A, lora_B, scaling, bias=None, dropout=0.0):
+    """lora_linear_ref with the seed lora_linear draws from the global RNG."""
+    seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout else 0
+    return lora_linear_ref(x, weight, lora_A, lora_B, scaling, bias, dropout, seed)
+
+
+@pytest.mark.parametrize("dtype,dropout", [(torch.float32, 0.0), (torch.bfloat16, 0.3)], ids=["fp32", "bf16-dropout"])
+def test_fullgraph_compile_matches_eager_and_the_reference_by_the_rule(dtype, dropout):
+    """fullgraph=True (a graph break would raise) over a 3-D input at rank 1, then 2-D at rank 3
+    (a recompile with dynamic shapes); the output and the gradient of x, the adapters, the base
+    weight and the bias by the numerics rule against eager and against the reference with fp64,
+    each run from the same RNG state (aot_eager draws the dropout seed as eager does)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(_step(lora_linear), fullgraph=True, backend="aot_eager")
+    for lead, K, N, r in [((2, 3), 13, 9, 1), ((5,), 8, 6, 3)]:
+        args, args64, trained = _problem(lead, K, N, r, bias=True, dtype=dtype)
+        for a in (args, args64):
+            a["weight"].requires_grad_()
+        trained.append("weight")
+        dy = torch.randn(*lead, N, device=device(), dtype=torch.float64)
+        rng = torch.get_rng_state()
+        results = []
+        for fn, a in ((compiled, args), (_step(lora_linear), args), (_step(_reference), args),
+                      (_step(_reference), args64)):
+            torch.set_rng_state(rng)
+            out = fn(a["x"], a["weight"], a["lora_A"], a["lora_B"], a["bias"], dropout)
+            results.append((out, *torch.autograd.grad(out, [a[n] for n in trained], dy.to(out.dtype))))
+        got, eager, ref, exact = results
+        for name, g, e, rf, r64, leaf in zip(["y", *(f"d{n}" for n in trained)], got, eager, ref, exact,
+                                             [None, *(args[n] for n in trained)]):
+            assert g.shape == e.shape == r64.shape and g.dtype == e.dtype, name
+            assert leaf is None or g.dtype == leaf.dtype, name
+            assert_close_by_rule(f"{name} (compiled vs eager)", g, e, r64)
+            assert_close_by_rule(f"{name} (compiled vs reference)", g, rf.to(g.dtype), r64)
+
+
+def test_compiled_function_is_one_graph_holding_both_custom_ops():
+    """No graph break; the forward graph calls the forward op, the backward graph the backward op;
+    the result and gradients are eager's."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
 
     args, _, trained = _problem((2, 5), 24, 12, 4, bias=True)
     args["bias"].requires_grad_(False)  # as the patch sees it: a frozen base bias
     trained.remove("bias")
-
-    def step(x, weight, lora_A, lora_B, bias):
-        h = torch.sin(x) * 1.5
-        y = lora_linear(h, weight, lora_A, lora_B, 0.5, bias)
-        return (torch.nn.functional.silu(y) ** 2).mean()
-
-    graphs = []
+    step = _step(lora_linear)
     torch._dynamo.reset()
-    compiled = torch.compile(step, backend=recording_backend(graphs))
-    loss = compiled(**args)
+    explanation = torch._dynamo.explain(step)(*args.values(), 0.0)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
+
+    graphs = {}
+
+    def keep(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind] = {node.target for node in gm.graph.nodes}
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=keep("fwd"), bw_compiler=keep("bwd"))
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    loss = compiled(*args.values(), 0.0).square().mean()
     grads = torch.autograd.grad(loss, [args[n] for n in trained])
-    assert len(graphs) == 2  # a graph break at the op, not traced into it
-    expected = step(**args)
+    assert torch.ops.q35lab.lora_linear_fwd.default in graphs["fwd"]
+    assert torch.ops.q35lab.lora_linear_bwd.default in graphs["bwd"]
+    expected = step(*args.values(), 0.0).square().mean()
     torch.testing.assert_close(loss, expected)
     for ours, theirs in zip(grads, torch.autograd.grad(expected, [args[n] for n in trained])):
         torch.testing.assert_close(ours, theirs)
@@ -260,13 +345,31 @@ def test_torch_compile_breaks_the_graph_at_the_op_and_matches_eager():
     assert q35lab.lora_linear is lora_linear
 
 
+def test_a_second_derivative_through_the_compiled_op_raises():
+    """Eager raises q35lab's error (test_module_behaviour); a compiled graph refuses double backward first."""
+    args, _, trained = _problem((4,), 8, 6, 2, bias=False)
+    torch._dynamo.reset()
+    compiled = torch.compile(_step(lora_linear), fullgraph=True, backend="aot_eager")
+    leaves = [args[n] for n in trained]
+    grads = torch.autograd.grad(compiled(*args.values(), 0.0).sum(), leaves, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        sum(g.sum() for g in grads).backward()
+
+
+def _count_calls(monkeypatch) -> list:
+    """Make ``lora_linear_fwd`` (the host function the forward op runs) record each call in the returned list."""
+    calls, original = [], lora_op.lora_linear_fwd
+    monkeypatch.setattr(lora_op, "lora_linear_fwd", lambda *args: calls.append(1) or original(*args))
+    return calls
+
+
 def test_peft_layers_are_routed_and_fall_back_when_they_must(monkeypatch):
     model, layer = _peft_layer(32, 24, 4, alpha=8)
     with pytest.warns(UserWarning, match="no Qwen3.5 module found"):  # apply_to_qwen3_5 leaves another model alone
         assert q35lab.apply_to_qwen3_5(model).replaced == {}
     report = route_lora(model)  # its LoRA part, for any model
     assert report.replaced == {"PEFT lora.Linear (forward)": 1}
-    calls = count_forward_calls(monkeypatch, LoRALinearFunction)
+    calls = _count_calls(monkeypatch)
     x = torch.randn(3, 32, device=device())
     y_routed = model(x)
     assert len(calls) == 1

@@ -146,9 +146,9 @@ def test_torch_compile_of_a_patched_peft_model_matches_eager():
 
 
 #: The ops that are torch.library custom ops (ops/_compile.py): a compiled model traces through them.
-CUSTOM_OPS = ("offset_rms_norm", "gated_rms_norm", "causal_conv1d")
+CUSTOM_OPS = ("offset_rms_norm", "gated_rms_norm", "causal_conv1d", "lora_linear")
 #: Ops still opaque to the compiler: each call is a graph break, named in the break's reason.
-OPAQUE_OPS = ("lora_linear", "fused_lora_projections", "swiglu_down", "linear_cross_entropy")
+OPAQUE_OPS = ("fused_lora_projections", "swiglu_down", "linear_cross_entropy")
 
 
 def test_a_compiled_patched_model_breaks_its_graph_at_no_custom_op():

@@ -1,14 +1,18 @@
 """How q35lab's ops meet ``torch.compile``.
 
-Custom ops (``torch.library``, namespace ``q35lab``): ``offset_rms_norm``, ``gated_rms_norm`` and
-``causal_conv1d``. Each is a forward and a backward op with fake implementations (shapes and dtypes
-only) and ``register_autograd`` joining them, so Dynamo traces through the op, forward and backward,
-with no graph break, and Inductor fuses the code around it; the real implementations launch the
-kernels and choose their launch configuration at run time (an explicit ``config=`` travels as a
-list of its fields). Gradients not asked for come back as empty tensors (a custom op returns no
-None). Under ``torch.compile`` a second derivative raises torch's "double backward" error rather
-than q35lab's (eager raises q35lab's). ``causal_conv1d`` with ``cu_seqlens`` still breaks the graph
-once, before the op: checking the sequence starts reads them back to the host.
+Custom ops (``torch.library``, namespace ``q35lab``): ``offset_rms_norm``, ``gated_rms_norm``,
+``causal_conv1d`` and ``lora_linear``. Each is a forward and a backward op with fake
+implementations (shapes and dtypes only) and ``register_autograd`` joining them, so Dynamo traces
+through the op, forward and backward, with no graph break, and Inductor fuses the code around it;
+the real implementations launch the kernels (``lora_linear``'s: its GEMMs) and choose their launch
+configuration at run time (an explicit ``config=`` travels as a list of its fields). Gradients not
+asked for come back as empty tensors (a custom op returns no None). Under ``torch.compile`` a
+second derivative raises torch's "double backward" error rather than q35lab's (eager raises
+q35lab's). ``causal_conv1d`` with ``cu_seqlens`` still breaks the graph once, before the op:
+checking the sequence starts reads them back to the host. ``lora_linear``'s dropout seed is a
+one-element int64 CPU tensor that ``torch.randint`` draws before the op and the op reads on the
+host: eager mode draws it from the global RNG as it always did; in a compiled graph the draw is
+the backend's (Inductor's own random numbers unless ``fallback_random``).
 
 Graph breaks (``opaque_to_compile``): every other public op. Dynamo compiles the code around
 them, the op runs eagerly with its own autograd node, and the compiled graphs' backward and the
@@ -33,9 +37,6 @@ results or its memory:
   version; ``pack_rows`` moves them into one buffer), the outputs are tensors set over disjoint
   blocks of one buffer (a custom op's outputs may not share memory), and the patch keys the
   node's outputs on its input's identity and version across the four modules' calls.
-* ``lora_linear``: its dropout seed is drawn on the host per call (``.item()``) and the backward
-  regenerates the mask from it. It could become an int64 tensor argument (the rest is state-free:
-  the cast cache of ``_prepared`` works inside a real implementation); not converted yet.
 * ``contiguous_rows`` (a strided copy, with a differentiable backward) and ``routed_experts``: not
   converted yet; the long-context tiles: Python callables as arguments, per-tile RNG state.
 """

@@ -27,8 +27,13 @@ epilogue, where adding the term afterwards would be one more memory-bound pass o
 The same holds for ``dx``.
 
 The output is allocated in its final shape ``[..., N]`` and the GEMMs write its ``[T, N]`` view,
-so the Function returns a tensor of its own, not a view made inside it: autograd forbids in-place
+so the node returns a tensor of its own, not a view made inside it: autograd forbids in-place
 edits of such views, and callers (transformers' modules) edit a linear's output in place.
+
+The node is a pair of ``torch.library`` custom ops (``q35lab::lora_linear_fwd`` / ``_bwd``, see
+``_compile.py``): ``torch.compile`` traces through it. ``lora_linear`` draws the dropout seed
+from the global RNG and hands it to the ops as a one-element int64 tensor, read on the host only
+inside them: no ``.item()`` in a compiled graph.
 """
 
 from __future__ import annotations
@@ -37,7 +42,6 @@ import torch
 
 from ._autograd import first_order_only
 from ._checks import check_float_tensor, check_same_device
-from ._compile import opaque_to_compile
 from ._linear import (
     cast_factor,
     check_dropout,
@@ -53,7 +57,7 @@ from ._linear import (
     scaled_product,
 )
 
-__all__ = ["lora_linear", "lora_linear_ref", "dropout_mask", "LoRALinearFunction"]
+__all__ = ["lora_linear", "lora_linear_ref", "dropout_mask", "lora_linear_fwd", "lora_linear_bwd"]
 
 
 def lora_linear_ref(x, weight, lora_A, lora_B, scaling, bias=None, dropout=0.0, seed=0):
@@ -65,48 +69,111 @@ def lora_linear_ref(x, weight, lora_A, lora_B, scaling, bias=None, dropout=0.0, 
     return y + torch.nn.functional.linear(xa, lora_B.to(dtype)) * scaling
 
 
-class LoRALinearFunction(torch.autograd.Function):
-    """One node for base projection + adapter; see the module docstring for the math."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, lora_A, lora_B, scaling: float, dropout: float, seed: int):
-        dtype, T = x.dtype, row_count(x)
-        x2d = x.reshape(T, x.shape[-1])
-        a, b_scaled = cast_factor(lora_A, dtype), scaled_b(lora_B, scaling, dtype)  # rank-r: cheap casts
-        xa = dropped(x2d, dropout, seed) @ a.t()  # [T, r]
-        # Returned in its final shape (written through a [T, N] view): a view made here could not
-        # be edited in place by the caller.
-        y = torch.empty(*x.shape[:-1], weight.shape[0], dtype=dtype, device=x.device)
-        project_into(y.view(T, weight.shape[0]), x2d, weight, bias, xa, b_scaled)
-        ctx.save_for_backward(x2d, weight, lora_A, lora_B, xa)
-        ctx.scaling, ctx.dropout, ctx.seed, ctx.has_bias = scaling, dropout, seed, bias is not None
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.x_shape = x.shape
-        return y
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, dy):
-        x2d, weight, lora_A, lora_B, xa = ctx.saved_tensors
-        needs_x, needs_w, needs_b, needs_a, needs_bm = ctx.needs_input_grad[:5]
-        dtype = x2d.dtype
-        dy2d = dy.reshape(x2d.shape[0], dy.shape[-1]).to(dtype)
-        dxa = dy2d @ scaled_b(lora_B, ctx.scaling, dtype)  # [T, r]: s · dy·B
-        dx = dA = dB = dW = db = None
-        if needs_x:
-            dx = input_grad(dy2d, weight, dxa, lora_A, ctx.dropout, ctx.seed).view(ctx.x_shape)
-        if needs_a:
-            dA = (dxa.t() @ dropped(x2d, ctx.dropout, ctx.seed)).to(lora_A.dtype)
-        if needs_bm:
-            dB = scaled_product(dy2d.t(), xa, ctx.scaling).to(lora_B.dtype)
-        if needs_w:  # a trainable base weight (not LoRA's usual case) is supported, not optimised
-            dW = (dy2d.t() @ x2d).to(weight.dtype)
-        if needs_b:
-            db = dy2d.sum(0).to(ctx.bias_dtype)
-        return dx, dW, db, dA, dB, None, None, None
+# read on the host inside the op (never under a compiled graph): it breaks no graph
+def _seed_value(seed: torch.Tensor | None) -> int:
+    return 0 if seed is None else int(seed.item())
 
 
-@opaque_to_compile  # a graph break under torch.compile (see _compile.py)
+def lora_linear_fwd(x, weight, bias, lora_A, lora_B, scaling: float, dropout: float, seed: torch.Tensor | None):
+    """``(y, xa)``: the output, a new ``[..., N]`` tensor, and ``xa = d(x)·Aᵀ`` ``[T, r]`` (saved
+    for the backward); see the module docstring for the math. ``seed``: the dropout mask's, a
+    one-element int64 CPU tensor (None without dropout). The forward custom op runs this."""
+    dtype, T, seed = x.dtype, row_count(x), _seed_value(seed)
+    x2d = x.reshape(T, x.shape[-1])
+    a, b_scaled = cast_factor(lora_A, dtype), scaled_b(lora_B, scaling, dtype)  # rank-r: cheap casts
+    xa = dropped(x2d, dropout, seed) @ a.t()  # [T, r]
+    # Returned in its final shape (written through a [T, N] view): a view made here could not be
+    # edited in place by the caller.
+    y = torch.empty(*x.shape[:-1], weight.shape[0], dtype=dtype, device=x.device)
+    project_into(y.view(T, weight.shape[0]), x2d, weight, bias, xa, b_scaled)
+    return y, xa
+
+
+def lora_linear_bwd(dy, x, weight, lora_A, lora_B, xa, scaling: float, dropout: float, seed: torch.Tensor | None,
+                    bias_dtype: torch.dtype, needs_x: bool, needs_w: bool, needs_b: bool, needs_a: bool,
+                    needs_bm: bool):
+    """``(dx, dweight, dbias, dlora_A, dlora_B)``, each empty (``[0]``) unless asked for (a custom
+    op returns no None); ``dbias`` ``[N]`` in ``bias_dtype``. The backward custom op runs this."""
+    dtype, T, seed = x.dtype, row_count(x), _seed_value(seed)
+    x2d = x.reshape(T, x.shape[-1])
+    dy2d = dy.reshape(T, dy.shape[-1]).to(dtype)
+    dxa = dy2d @ scaled_b(lora_B, scaling, dtype)  # [T, r]: s · dy·B
+    dx = dA = dB = dW = db = None
+    if needs_x:
+        dx = input_grad(dy2d, weight, dxa, lora_A, dropout, seed).view(x.shape)
+    if needs_a:
+        dA = (dxa.t() @ dropped(x2d, dropout, seed)).to(lora_A.dtype)
+    if needs_bm:
+        dB = scaled_product(dy2d.t(), xa, scaling).to(lora_B.dtype)
+    if needs_w:  # a trainable base weight (not LoRA's usual case) is supported, not optimised
+        dW = (dy2d.t() @ x2d).to(weight.dtype)
+    if needs_b:
+        db = dy2d.sum(0).to(bias_dtype)
+    # contiguous, as the fake implementation promises
+    return tuple(x.new_empty(0) if g is None else g.contiguous() for g in (dx, dW, db, dA, dB))
+
+
+# Custom ops (torch.library): torch.compile traces through them with their fake implementations,
+# and autograd connects the two. Each runs the public function of its name, argument for argument.
+@torch.library.custom_op("q35lab::lora_linear_fwd", mutates_args=())
+def lora_linear_fwd_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_A: torch.Tensor, lora_B: torch.Tensor,
+    scaling: float, dropout: float, seed: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, xa)``: ``y`` ``[..., N]`` in ``x``'s dtype, ``xa`` ``[T, r]``; ``seed`` None without dropout."""
+    return lora_linear_fwd(x, weight, bias, lora_A, lora_B, scaling, dropout, seed)
+
+
+@lora_linear_fwd_op.register_fake
+def _(x, weight, bias, lora_A, lora_B, scaling, dropout, seed):
+    return x.new_empty((*x.shape[:-1], weight.shape[0])), x.new_empty((row_count(x), lora_A.shape[0]))
+
+
+@torch.library.custom_op("q35lab::lora_linear_bwd", mutates_args=())
+def lora_linear_bwd_op(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor,
+    xa: torch.Tensor, scaling: float, dropout: float, seed: torch.Tensor | None, bias_dtype: torch.dtype,
+    compute_dx: bool, compute_dweight: bool, compute_dbias: bool, compute_dlora_A: bool, compute_dlora_B: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, dweight, dbias, dlora_A, dlora_B)``, each empty (``[0]``) unless asked for (a custom
+    op returns no None); ``dbias`` ``[N]`` in ``bias_dtype``."""
+    return lora_linear_bwd(dy, x, weight, lora_A, lora_B, xa, scaling, dropout, seed, bias_dtype,
+                           compute_dx, compute_dweight, compute_dbias, compute_dlora_A, compute_dlora_B)
+
+
+@lora_linear_bwd_op.register_fake
+def _(dy, x, weight, lora_A, lora_B, xa, scaling, dropout, seed, bias_dtype, compute_dx, compute_dweight,
+      compute_dbias, compute_dlora_A, compute_dlora_B):
+    def grad(shape, dtype, wanted):
+        return x.new_empty(shape if wanted else (0,), dtype=dtype if wanted else x.dtype)
+
+    return (grad(x.shape, x.dtype, compute_dx), grad(weight.shape, weight.dtype, compute_dweight),
+            grad((weight.shape[0],), bias_dtype, compute_dbias), grad(lora_A.shape, lora_A.dtype, compute_dlora_A),
+            grad(lora_B.shape, lora_B.dtype, compute_dlora_B))
+
+
+def _setup_context(ctx, inputs, output):
+    """Saves ``x`` (the caller keeps it anyway), the weights, ``xa`` (r values a row) and the seed:
+    the dropout mask is regenerated, never stored."""
+    x, weight, bias, lora_A, lora_B, ctx.scaling, ctx.dropout, seed = inputs
+    _, xa = output
+    ctx.mark_non_differentiable(xa)
+    ctx.set_materialize_grads(False)  # no zeros made for xa's gradient
+    ctx.bias_dtype = x.dtype if bias is None else bias.dtype
+    ctx.save_for_backward(x, weight, lora_A, lora_B, xa, seed)
+
+
+def _backward(ctx, dy, _dxa):
+    x, weight, lora_A, lora_B, xa, seed = ctx.saved_tensors
+    needs = ctx.needs_input_grad[:5]  # x, weight, bias, lora_A, lora_B
+    grads = lora_linear_bwd_op(dy, x, weight, lora_A, lora_B, xa, ctx.scaling, ctx.dropout, seed, ctx.bias_dtype,
+                               *needs)
+    return (*(g if wanted else None for g, wanted in zip(grads, needs)), None, None, None)
+
+
+lora_linear_fwd_op.register_autograd(first_order_only(_backward, op="lora_linear"), setup_context=_setup_context)
+
+
 def lora_linear(x, weight, lora_A, lora_B, scaling, bias=None, dropout=0.0):
     """``x·Wᵀ + b + scaling · dropout(x)·Aᵀ·Bᵀ`` as one autograd node, without casting ``x``.
 
@@ -138,9 +205,11 @@ def lora_linear(x, weight, lora_A, lora_B, scaling, bias=None, dropout=0.0):
     scaling, dropout = check_scaling("scaling", scaling), check_dropout("dropout", dropout)
     check_same_device(x=x, weight=weight, lora_A=lora_A, lora_B=lora_B, **({} if bias is None else {"bias": bias}))
     dtype = compute_dtype(x)
-    seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout else 0  # the global RNG decides
+    # the global RNG decides (the draw of an int seed before); kept a tensor, it is no host read in a compiled graph
+    seed = torch.randint(0, 2**62, (1,)) if dropout else None
     with torch.autocast(device_type=x.device.type, enabled=False):
-        return LoRALinearFunction.apply(x.to(dtype), weight, bias, lora_A, lora_B, scaling, dropout, seed)
+        y, _ = lora_linear_fwd_op(x.to(dtype), weight, bias, lora_A, lora_B, scaling, dropout, seed)
+    return y
 
 
 _compute_dtype = compute_dtype  # the name q35lab.patch imports
