@@ -39,15 +39,38 @@ results or its memory:
   node's outputs on its input's identity and version across the four modules' calls.
 * ``contiguous_rows`` (a strided copy, with a differentiable backward) and ``routed_experts``: not
   converted yet; the long-context tiles: Python callables as arguments, per-tile RNG state.
+
+A custom op reaches a ``TorchDispatchMode`` as one call, whatever runs inside it.
+``run_bodies_under(Mode)`` makes the ops whose bodies are torch code (``lora_linear``'s GEMMs) run
+them op by op under that mode instead, for a mode that counts ops or the memory they allocate.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["opaque_to_compile"]
+__all__ = ["opaque_to_compile", "run_bodies_under", "torch_bodies"]
+
+#: custom op -> the function it runs (same arguments), for the ops whose bodies are torch code
+_BODIES: dict = {}
 
 
 def opaque_to_compile(fn):
     """``fn`` as a graph break under ``torch.compile`` (and nothing else, in eager mode)."""
     return torch.compiler.disable(fn, recursive=True)
+
+
+def torch_bodies(*pairs) -> None:
+    """Record ``(custom_op, body)`` pairs: each op runs ``body`` with its own arguments."""
+    _BODIES.update(pairs)
+
+
+def run_bodies_under(mode_class: type) -> None:
+    """Under a ``TorchDispatchMode`` of class ``mode_class``, each recorded custom op runs its body
+    op by op (the mode is off while it handles a call; turned back on, it sees every op inside)."""
+    for custom_op, body in _BODIES.items():
+        def rule(mode, func, types, args, kwargs, body=body):
+            with mode:
+                return body(*args, **(kwargs or {}))
+
+        custom_op.register_torch_dispatch(mode_class, rule)

@@ -42,6 +42,7 @@ import torch
 
 from ._autograd import first_order_only
 from ._checks import check_float_tensor, check_same_device
+from ._compile import torch_bodies
 from ._linear import (
     cast_factor,
     check_dropout,
@@ -172,6 +173,7 @@ def _backward(ctx, dy, _dxa):
 
 
 lora_linear_fwd_op.register_autograd(first_order_only(_backward, op="lora_linear"), setup_context=_setup_context)
+torch_bodies((lora_linear_fwd_op, lora_linear_fwd), (lora_linear_bwd_op, lora_linear_bwd))
 
 
 def lora_linear(x, weight, lora_A, lora_B, scaling, bias=None, dropout=0.0):
