@@ -33,6 +33,11 @@
 #   LONG_T="T..." bash dev/gpu_session.sh long  # q35lab+long (or LONG_VARIANT) at each T until one fits
 #   LONG_FIT="q35lab:262144 peft+liger:262144" bash dev/gpu_session.sh long_fit  # each one's longest step, searched
 #   bash dev/gpu_session.sh unsloth    # Unsloth's LoRA path, q35lab and PEFT + Liger at 9B/32k (unsloth.csv)
+#   bash dev/gpu_session.sh short      # 9B at 1k, 2k, 4k: q35lab and PEFT + Liger with the profile's kernel count
+#                                      # and busy fraction (short_steps.csv)
+#   bash dev/gpu_session.sh compiled   # q35lab eager and torch.compile'd at 1k, 4k, 32k (compiled.csv)
+#   bash dev/gpu_session.sh ckpt       # checkpointing='auto' between full checkpointing and none, beside PEFT + Liger
+#                                      # with and without it, 9B at 8k and 32k (checkpointing.csv; CKPT_SIZES adds 27b)
 #   bash dev/gpu_session.sh notebooks  # every notebook executed (outputs kept)
 #
 # The first step that trains a model at a new shape spends a minute or two in fla's autotuning
@@ -44,7 +49,7 @@
 # The rows name the checkout's commit; Q35LAB_COMMIT=<hash> names it where the tree's git metadata is
 # not its own (a copied working tree).
 set -uo pipefail
-[[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|ops_new|step|peers|peers_at|ablation|sizes9b|floors|big35|big27|packed|padded|current_tf|flex|long_cost|tiled_profile|long_fit|long|fsdp|unsloth|notebooks ..."; exit 2; }
+[[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|ops_new|step|peers|peers_at|ablation|sizes9b|floors|big35|big27|packed|padded|current_tf|flex|long_cost|tiled_profile|long_fit|long|fsdp|unsloth|short|compiled|ckpt|notebooks ..."; exit 2; }
 bench=data/bench/$(python3 -c "from q35lab.bench import core; print(core.gpu_slug())")  # as gpu_run.sh names it
 csv=$bench/end_to_end.csv
 e2e() {  # e2e SECONDS VARIANTS T ARGS...
@@ -203,6 +208,22 @@ EOF
         echo "unsloth stage: $v left for the next run (${SECONDS} s of the run spent)"; continue
       fi
       E2E_OUT=unsloth.csv e2e $(( limit < left ? limit : left )) $v 32768 --size 9b --steps 3
+    done
+    ;;
+  short)  # where a short step's time goes: the host (Python, launches) or the GPU; 5 steps, the median of 4 timed
+    for v in ${SHORT:-q35lab peft+liger}; do
+      E2E_OUT=short_steps.csv e2e 240 $v "1024 2048 4096" --size 9b --steps 5 --breakdown
+    done
+    ;;
+  compiled)  # eager and compiled in one call, each in its own process (the compiled one's first step compiles)
+    E2E_OUT=compiled.csv e2e 200 q35lab "1024 4096 32768" --size 9b --steps 3
+    E2E_OUT=compiled.csv e2e 420 q35lab "1024 4096 32768" --size 9b --steps 3 --compile
+    ;;
+  ckpt)  # the plan's two bounds beside it: every layer checkpointed (q35lab) and none (+no_ckpt, where it fits)
+    for size in ${CKPT_SIZES:-9b}; do
+      for v in ${CKPT:-q35lab q35lab+ckpt_auto q35lab+no_ckpt peft+liger peft+liger+no_ckpt peft+no_ckpt}; do
+        E2E_OUT=checkpointing.csv e2e 240 $v "8192 32768" --size $size --steps 3 --memory-at-peak
+      done
     done
     ;;
   notebooks) STEPS=notebooks TIMEOUT_notebooks=280 bash dev/gpu_run.sh ;;

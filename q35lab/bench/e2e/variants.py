@@ -31,6 +31,7 @@ CHECKPOINTING = {
                         "says the longest step needs stay checkpointed (its GPU's memory less 10%)",
     "q35lab+no_ckpt": "q35lab without gradient checkpointing",
     "peft+no_ckpt": "PEFT with its defaults, without gradient checkpointing",
+    "peft+liger+no_ckpt": "PEFT + Liger (as peft+liger), without gradient checkpointing",
 }
 VARIANTS = {
     "peft": "PEFT with its defaults (fp32 adapters, input cast)",
