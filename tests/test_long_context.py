@@ -686,7 +686,7 @@ def test_the_modelled_terms_are_what_the_tiny_model_saves():
     assert saved_bytes(mlp) == saved_by_mlp == (2 * 96 + 3 * 4) * e  # gate/up output, 3 adapters' x·Aᵀ; no h
     # with dropout on the down adapter, the down projection runs its own forward and keeps h [I] as well
     mlp.down_proj.lora_dropout["default"] = torch.nn.Dropout(0.1)
-    assert saved_bytes(mlp) == saved_by_mlp + 96 * e
+    assert saved_bytes(mlp) == saved_by_mlp + 96 * e + 8 / (B * T)  # and the mask's seed, one int64
     mlp.down_proj.lora_dropout["default"] = torch.nn.Identity()
     assert saved_bytes(lambda x: lc.tiled_mlp(mlp, x, 5)) == 0  # only x (the stash), nothing of a tile
     assert terms  # the phases exist for this config

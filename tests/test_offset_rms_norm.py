@@ -226,7 +226,9 @@ def test_compiled_model_and_function_match_eager(backend):
         return y.detach(), inputs.grad, *(p.grad for p in net.parameters())
 
     def function_of(net, norm=offset_rms_norm):
-        return lambda x: norm(torch.tanh(x @ net[0].weight.t()) * 2, net[1].weight).exp()
+        # elementwise code on both sides for inductor to fuse; no exp after the norm, whose growth made a
+        # CPU inductor's own vectorised rounding alone pass twice eager's error (one seed in a few hundred)
+        return lambda x: norm(torch.tanh(x @ net[0].weight.t()) * 2, net[1].weight) * 1.5 + 0.5
 
     def model_ref64(x):  # the kernel takes no fp64: the reference's math does
         return offset_rms_norm_ref(model64[0](x), model64[1].weight)
