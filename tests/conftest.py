@@ -70,6 +70,31 @@ def fresh_rows(shape, dtype, strided=False):
 MODEL_COMPILER = "inductor" if torch.cuda.is_available() else "aot_eager"
 
 
+def assert_one_graph(fn, *args) -> None:
+    """``fn(*args)`` traces into one graph with no break (``torch._dynamo.explain``)."""
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(fn)(*args)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
+
+
+def graph_recorder():
+    """A ``torch.compile`` backend (AOTAutograd, the graphs run as traced) and the dict in which it
+    records the call targets of the forward and the backward graph it is given: ``{"fwd": {...}, "bwd": {...}}``."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = {}
+
+    def keep(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind] = {node.target for node in gm.graph.nodes}
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    torch._dynamo.reset()
+    return aot_autograd(fw_compiler=keep("fwd"), bw_compiler=keep("bwd")), graphs
+
+
 def patch_everywhere(monkeypatch, name: str, value) -> None:
     """``monkeypatch.setattr`` of ``name`` in every q35lab module that binds the same object: a function is
     defined in one module and imported by name into the others that call it."""

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import NEEDS_CXX
+from conftest import NEEDS_CXX, assert_one_graph, graph_recorder
 
 from q35lab.numerics import ATOL, agreement, assert_close_by_rule
 from q35lab.ops.causal_conv1d import LaunchConfig, causal_conv1d, causal_conv1d_ref, launch_config
@@ -330,27 +330,13 @@ def test_fullgraph_compile_matches_eager_by_the_rule(backend, dtype, trainable, 
 
 def test_compiled_function_is_one_graph_holding_both_custom_ops():
     """explain: no graph break; the forward graph calls the forward op, the backward graph the backward op."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
     x, w, b, _ = _inputs(2, 6, 12, 4, torch.float32)
     lin = torch.randn(12, 12, device=device(), requires_grad=True)
     x, w, b = (t.requires_grad_() for t in (x, w, b))
-    torch._dynamo.reset()
-    explanation = torch._dynamo.explain(_layer(causal_conv1d, False))(x, lin, w, b, None)
-    assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
-
-    graphs = {}
-
-    def keep(kind):
-        def compiler(gm, example_inputs):
-            graphs[kind] = {node.target for node in gm.graph.nodes}
-            return make_boxed_func(gm.forward)
-        return compiler
-
-    torch._dynamo.reset()
+    assert_one_graph(_layer(causal_conv1d, False), x, lin, w, b, None)
+    backend, graphs = graph_recorder()
     compiled = torch.compile(_layer(causal_conv1d, False), fullgraph=True,
-                             backend=aot_autograd(fw_compiler=keep("fwd"), bw_compiler=keep("bwd")))
+                             backend=backend)
     compiled(x, lin, w, b, None)[0].sum().backward()
     assert torch.ops.q35lab.causal_conv1d_fwd.default in graphs["fwd"]
     assert torch.ops.q35lab.causal_conv1d_bwd.default in graphs["bwd"]

@@ -4,6 +4,7 @@ import inspect
 
 import pytest
 import torch
+from conftest import assert_one_graph, graph_recorder
 
 import q35lab
 from q35lab.numerics import assert_close_by_rule
@@ -309,27 +310,12 @@ def test_fullgraph_compile_matches_eager_and_the_reference_by_the_rule(dtype, dr
 def test_compiled_function_is_one_graph_holding_both_custom_ops():
     """No graph break; the forward graph calls the forward op, the backward graph the backward op;
     the result and gradients are eager's."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
     args, _, trained = _problem((2, 5), 24, 12, 4, bias=True)
     args["bias"].requires_grad_(False)  # as the patch sees it: a frozen base bias
     trained.remove("bias")
     step = _step(lora_linear)
-    torch._dynamo.reset()
-    explanation = torch._dynamo.explain(step)(*args.values(), 0.0)
-    assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
-
-    graphs = {}
-
-    def keep(kind):
-        def compiler(gm, example_inputs):
-            graphs[kind] = {node.target for node in gm.graph.nodes}
-            return make_boxed_func(gm.forward)
-        return compiler
-
-    torch._dynamo.reset()
-    backend = aot_autograd(fw_compiler=keep("fwd"), bw_compiler=keep("bwd"))
+    assert_one_graph(step, *args.values(), 0.0)
+    backend, graphs = graph_recorder()
     compiled = torch.compile(step, fullgraph=True, backend=backend)
     loss = compiled(*args.values(), 0.0).square().mean()
     grads = torch.autograd.grad(loss, [args[n] for n in trained])

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from conftest import NEEDS_CXX, OPCHECK_SHAPES, fresh_rows
+from conftest import NEEDS_CXX, OPCHECK_SHAPES, assert_one_graph, fresh_rows, graph_recorder
 
 import q35lab
 from q35lab.numerics import agreement, assert_close_by_rule
@@ -330,27 +330,13 @@ def test_fullgraph_compile_with_eps_an_argument():
 
 def test_compiled_function_is_one_graph_holding_both_custom_ops():
     """explain: no graph break; the forward graph calls the forward op, the backward graph the backward op."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
     x = torch.randn(4, 3, 24, device=device(), requires_grad=True)
     lin = torch.randn(40, 24, device=device(), requires_grad=True)
     w = (0.1 * torch.randn(40, device=device())).requires_grad_()
-    torch._dynamo.reset()
-    explanation = torch._dynamo.explain(_layer(offset_rms_norm))(x, lin, w)
-    assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
-
-    graphs = {}
-
-    def keep(kind):
-        def compiler(gm, example_inputs):
-            graphs[kind] = {node.target for node in gm.graph.nodes}
-            return make_boxed_func(gm.forward)
-        return compiler
-
-    torch._dynamo.reset()
+    assert_one_graph(_layer(offset_rms_norm), x, lin, w)
+    backend, graphs = graph_recorder()
     compiled = torch.compile(_layer(offset_rms_norm), fullgraph=True,
-                             backend=aot_autograd(fw_compiler=keep("fwd"), bw_compiler=keep("bwd")))
+                             backend=backend)
     compiled(x, lin, w).sum().backward()
     assert torch.ops.q35lab.offset_rms_norm_fwd.default in graphs["fwd"]
     assert torch.ops.q35lab.offset_rms_norm_bwd.default in graphs["bwd"]
