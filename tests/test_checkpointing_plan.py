@@ -6,7 +6,6 @@ import io
 import pickle
 import warnings
 
-import peft
 import pytest
 import torch
 
@@ -15,7 +14,7 @@ from q35lab import long_context as lc
 from q35lab.hf import modules as hf_modules
 from q35lab.long_context import checkpointing as lc_checkpointing
 from q35lab.runtime import device
-from tiny_models import assert_same_loss_and_grads, causal_lm, moe_causal_lm
+from tiny_models import assert_same_loss_and_grads, lora_causal_lm, moe_causal_lm
 
 GiB = 2**30
 T = 9  # the tiny model's step: one row of 9 tokens
@@ -33,12 +32,7 @@ def _nine_b():
 def _model(checkpointing=True, seed=0):
     """The tiny Qwen3.5 (a GatedDeltaNet layer, then an attention layer) with LoRA on every linear layer, B random
     (LoRA starts at B = 0, which would hide a wrong adapter gradient)."""
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(causal_lm(), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.2)
+    model = lora_causal_lm(seed)
     if checkpointing:
         lc.enable_checkpointing(model)
     return model.train()

@@ -79,16 +79,9 @@ SAME_RTOL, SAME_ATOL = 1e-6, 1e-8
 def _model(seed: int, dtype=torch.float32):
     """The tiny Qwen3.5 with LoRA on every linear layer (lora_B random: LoRA starts at B = 0, which
     would hide a wrong adapter gradient) and gradient checkpointing, as the e2e benchmark trains it."""
-    import peft
+    from tiny_models import lora_causal_lm
 
-    from tiny_models import causal_lm
-
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(causal_lm(), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.2)
+    model = lora_causal_lm(seed)
     enable_checkpointing(model)
     return model.to(dtype).train()
 

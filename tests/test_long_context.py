@@ -28,7 +28,7 @@ from q35lab.numerics import assert_close_by_rule
 from q35lab.ops.causal_conv1d import causal_conv1d
 from q35lab.ops.swiglu_down import is_unread, swiglu_down, unread_down_outputs
 from q35lab.runtime import device
-from tiny_models import TEXT, assert_same_loss_and_grads, causal_lm
+from tiny_models import TEXT, assert_same_loss_and_grads, causal_lm, lora_causal_lm
 
 MLP_TARGETS = ["gate_proj", "up_proj", "down_proj"]
 
@@ -36,13 +36,7 @@ MLP_TARGETS = ["gate_proj", "up_proj", "down_proj"]
 def _model(dropout=0.0, rank=4, checkpointing=True, targets=MLP_TARGETS, seed=0):
     """The tiny Qwen3.5 (2 layers: a GatedDeltaNet and an attention layer) with LoRA on the MLPs,
     B random (LoRA starts at B = 0, which would hide a wrong adapter gradient)."""
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(causal_lm(), peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
-                                                             lora_dropout=dropout))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.2)
+    model = lora_causal_lm(seed, rank, targets, dropout)
     if checkpointing:
         lc.enable_checkpointing(model)
     model.train()
@@ -720,8 +714,6 @@ def test_apply_to_qwen3_5_long_context_options_same_loss_and_gradients_and_rever
     """The options as a user turns them on: through apply_to_qwen3_5, on a gradient-checkpointed
     PEFT model, against the same model patched without them; revert takes them off again."""
     import copy
-
-    import peft
 
     import q35lab
     from tiny_models import causal_lm, loss_and_grads

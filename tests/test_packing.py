@@ -13,17 +13,11 @@ from conftest import patch_everywhere
 import q35lab
 from q35lab.hf import gated_delta_net as hf_gdn
 from q35lab.runtime import device
-from tiny_models import TEXT, assert_same_loss_and_grads, causal_lm
+from tiny_models import TEXT, assert_same_loss_and_grads, lora_causal_lm
 
 
 def _peft_model(seed):
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(causal_lm(), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    with torch.no_grad():  # B = 0 at init would hide a wrong adapter gradient
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.2)
-    return model
+    return lora_causal_lm(seed)
 
 
 def _packed(sequences):

@@ -26,6 +26,21 @@ def causal_lm() -> torch.nn.Module:
     return _randomise_norms(Qwen3_5ForCausalLM(Qwen3_5TextConfig(intermediate_size=96, **TEXT)))
 
 
+def lora_causal_lm(seed: int = 0, rank: int = 4, targets="all-linear", dropout: float = 0.0) -> torch.nn.Module:
+    """``causal_lm`` in PEFT's LoRA (alpha = 2·rank), built after ``torch.manual_seed(seed)``, with B
+    random: LoRA starts at B = 0, which would hide a wrong adapter gradient."""
+    import peft
+
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(causal_lm(), peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
+                                                             lora_dropout=dropout))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.2)
+    return model
+
+
 def multimodal() -> torch.nn.Module:
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
 
