@@ -27,7 +27,7 @@ OPS=${OPS:-offset_rms_norm}
 NOTEBOOKS=${NOTEBOOKS:-*.ipynb}
 # An offline machine's wheel folders (dev/offline/device_wheels.sh), each installed once per machine
 # and marked folder by folder: a later call that brings .whl-peers still installs it
-for folder in .whl .whl-peers .whl-notebooks .whl-unsloth .whl-tf; do  # .whl-tf last: its transformers replaces the image's
+for folder in .whl .whl-peers .whl-notebooks .whl-unsloth .whl-qla .whl-tf; do  # .whl-tf last: its transformers replaces the image's
   [[ -d $folder ]] || continue
   marker=/tmp/site/.installed$folder-$(ls $folder | md5sum | cut -c1-12)  # other wheels in it: installed again
   [[ -e $marker ]] && continue
@@ -39,6 +39,11 @@ for folder in .whl .whl-peers .whl-notebooks .whl-unsloth .whl-tf; do  # .whl-tf
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_fla \
         $(ls .whl/*.whl | grep -e fla -e flash_linear) 2>/dev/null
     [[ -s .whl/triton-3.7.1-slim.tar.xz ]] && mkdir -p /tmp/tri && tar xJf .whl/triton-3.7.1-slim.tar.xz -C /tmp/tri
+  fi
+  if [[ $folder == .whl-qla ]]; then  # flash-qla beside fla (NO_FLA drops both); TileLang's slim tree (slim_tilelang.py)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_fla \
+        .whl-qla/flash_qla-*.whl || exit 1
+    mkdir -p /tmp/site && tar xJf .whl-qla/tilelang-*-slim.tar.xz -C /tmp/site || exit 1
   fi
   mkdir -p /tmp/site && touch "$marker"
 done

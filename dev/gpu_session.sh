@@ -39,6 +39,8 @@
 #   bash dev/gpu_session.sh ckpt       # checkpointing='auto' between full checkpointing and none, beside PEFT + Liger
 #                                      # with and without it, 9B at 8k and 32k (checkpointing.csv; CKPT_SIZES adds 27b)
 #   bash dev/gpu_session.sh notebooks  # every notebook executed (outputs kept)
+#   bash dev/gpu_session.sh qla        # fla 0.6 handing the delta rule to FlashQLA (.whl-qla, dev/offline/slim_tilelang.py):
+#                                      # the core alone beside fla's Triton kernels, then q35lab's 9B step at 32k (flash_qla.csv)
 #
 # The first step that trains a model at a new shape spends a minute or two in fla's autotuning
 # (cached for the later processes of the same machine: TRITON_CACHE_AUTOTUNING=1); the committed
@@ -49,7 +51,7 @@
 # The rows name the checkout's commit; Q35LAB_COMMIT=<hash> names it where the tree's git metadata is
 # not its own (a copied working tree).
 set -uo pipefail
-[[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|ops_new|step|peers|peers_at|ablation|sizes9b|floors|big35|big27|packed|padded|current_tf|flex|long_cost|tiled_profile|long_fit|long|fsdp|unsloth|short|compiled|ckpt|notebooks ..."; exit 2; }
+[[ $# -gt 0 ]] || { echo "usage: gpu_session.sh tests|ops|ops_new|step|peers|peers_at|ablation|sizes9b|floors|big35|big27|packed|padded|current_tf|flex|long_cost|tiled_profile|long_fit|long|fsdp|unsloth|short|compiled|ckpt|qla|notebooks ..."; exit 2; }
 bench=data/bench/$(python3 -c "from q35lab.bench import core; print(core.gpu_slug())")  # as gpu_run.sh names it
 csv=$bench/end_to_end.csv
 e2e() {  # e2e SECONDS VARIANTS T ARGS...
@@ -227,6 +229,42 @@ EOF
     done
     ;;
   notebooks) STEPS=notebooks TIMEOUT_notebooks=280 bash dev/gpu_run.sh ;;
+  qla)  # FlashQLA: TileLang JIT-compiles its kernels at the first call (nvcc + g++ by default; NVRTC through cuda-python
+        # where no nvcc is found: the image's torch 2.11 brings cuda-bindings and libnvrtc); compiled kernels are cached
+        # under TILELANG_CACHE_DIR (~/.tilelang/cache), so the probe's process warms the bench's and the e2e's. Without the
+        # slim Triton (it does not fit beside .whl-qla) fla's Triton backward refuses Hopper (fla#640): the bench's "fla"
+        # row is an error there, FlashQLA's is not (fla's dispatch takes the whole call; chunk_bwd_dqkwg never runs)
+    [[ -d .whl-qla ]] || { echo "qla: needs .whl-qla (dev/offline/slim_tilelang.py)"; exit 2; }
+    STEPS=install bash dev/gpu_run.sh >/dev/null  # installs the wheel folders (no step is named so)
+    qla_path=$( [[ -d /tmp/tri/triton ]] && echo /tmp/tri: )/tmp/site_fla:/tmp/site:$PWD
+    if ! command -v nvcc >/dev/null && [[ ! -x /usr/local/cuda/bin/nvcc && -z ${CUDA_HOME:-} ]]; then
+      export TILELANG_EXECUTION_BACKEND=${TILELANG_EXECUTION_BACKEND:-nvrtc}  # no nvcc here: NVRTC (cuda-python)
+    fi
+    echo "qla: nvcc=$(command -v nvcc || echo none) g++=$(command -v g++ || echo none)" \
+         "TILELANG_EXECUTION_BACKEND=${TILELANG_EXECUTION_BACKEND:-auto}"
+    PYTHONPATH=$qla_path timeout 300 python3 - <<'EOF'  # fla's own predicate on the model's call, q35lab's, one timed call
+import time, types, torch, triton
+from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+from fla.ops.gated_delta_rule.backends import FlashQLABackend
+from q35lab.hf.gated_delta_net import flash_qla_problem
+backend, T = FlashQLABackend(), 4096
+print("triton", triton.__version__, "FlashQLA available", backend.is_available(), "enabled", backend.is_enabled())
+q = torch.randn(1, T, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+v = torch.randn(1, T, 32, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+g = -torch.rand(1, T, 32, device="cuda")
+beta = torch.rand(1, T, 32, device="cuda", dtype=torch.bfloat16)
+print("fla's verifier on the model's call:", backend.chunk_gated_delta_rule_verifier(q, q, v, g, beta, use_qk_l2norm_in_kernel=True))
+print("q35lab's flash_qla_problem:", flash_qla_problem(types.SimpleNamespace(head_k_dim=128, head_v_dim=128)))
+start = time.time()
+o, _ = chunk_gated_delta_rule(q, q, v, g, beta, use_qk_l2norm_in_kernel=True)
+o.sum().backward()
+torch.cuda.synchronize()
+print(f"first FlashQLA forward+backward, TileLang's compiles included: {time.time() - start:.0f} s")
+EOF
+    PYTHONPATH=$qla_path timeout 420 python3 -m q35lab check delta_rule 2>&1 | tail -n 16
+    PYTHONPATH=$qla_path timeout 420 python3 -m q35lab bench delta_rule --T 32768 2>&1 | tail -n 12
+    E2E_OUT=flash_qla.csv e2e 420 q35lab 32768 --size 9b --steps 3
+    ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done
