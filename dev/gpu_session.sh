@@ -239,9 +239,16 @@ EOF
     qla_path=$( [[ -d /tmp/tri/triton ]] && echo /tmp/tri: )/tmp/site_fla:/tmp/site:$PWD
     if ! command -v nvcc >/dev/null && [[ ! -x /usr/local/cuda/bin/nvcc && -z ${CUDA_HOME:-} ]]; then
       export TILELANG_EXECUTION_BACKEND=${TILELANG_EXECUTION_BACKEND:-nvrtc}  # no nvcc here: NVRTC (cuda-python)
+      # NVRTC reads CUDA's headers from CUDA_HOME/include: torch's pip CUDA (nvidia/cu13/include) beside CCCL's
+      # cuda/std (cute needs it under NVRTC; .whl-qla/cccl/, kept out of /tmp/site's nvidia namespace)
+      cu13=$(python3 -c "import nvidia, os; print(next(p for p in nvidia.__path__ if os.path.isdir(p + '/cu13/include')) + '/cu13')" 2>/dev/null)
+      rm -rf /tmp/cuda_home && mkdir -p /tmp/cuda_home/include /tmp/cccl && unzip -qo .whl-qla/cccl/*.whl -d /tmp/cccl
+      [[ -n $cu13 ]] && ln -s "$cu13"/include/* /tmp/cuda_home/include/ 2>/dev/null
+      ln -sfn /tmp/cccl/nvidia/cu13/include/cccl /tmp/cuda_home/include/cccl
+      export CUDA_HOME=/tmp/cuda_home
     fi
-    echo "qla: nvcc=$(command -v nvcc || echo none) g++=$(command -v g++ || echo none)" \
-         "TILELANG_EXECUTION_BACKEND=${TILELANG_EXECUTION_BACKEND:-auto}"
+    echo "qla: nvcc=$(command -v nvcc || echo none) g++=$(command -v g++ || echo none) CUDA_HOME=${CUDA_HOME:-}" \
+         "TILELANG_EXECUTION_BACKEND=${TILELANG_EXECUTION_BACKEND:-auto}"; ls ${CUDA_HOME:-/usr/local/cuda}/include | head -n 5
     PYTHONPATH=$qla_path timeout 300 python3 - <<'EOF'  # fla's own predicate on the model's call, q35lab's, one timed call
 import time, types, torch, triton
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule
