@@ -593,6 +593,13 @@ def test_the_report_says_whether_fla_runs_flash_qla_and_why_not(monkeypatch):
     assert hf_gdn.flash_qla_problem(gdn) == "FlashQLA trains only on SM90/SM100/SM103, not on this SM80"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     assert hf_gdn.flash_qla_problem(gdn) is None
+    # on Hopper with a Triton fla's Triton backward refuses, FlashQLA's path still runs (it uses none of them)
+    monkeypatch.setattr(patch_conv, "triton_at_least", lambda version: False)
+    assert "runs FlashQLA's fused kernels" in patch_conv.delta_rule_core(gdn)
+    monkeypatch.setenv("FLA_DISABLE_BACKEND_DISPATCH", "1")
+    assert hf_gdn.flash_qla_problem(gdn) == "fla's backends are turned off (FLA_DISABLE_BACKEND_DISPATCH=1)"
+    assert "refuses Hopper with this Triton" in patch_conv.delta_rule_core(gdn)
+    monkeypatch.delenv("FLA_DISABLE_BACKEND_DISPATCH")
     monkeypatch.setattr(gdn, "head_v_dim", 64)
     assert hf_gdn.flash_qla_problem(gdn) == "FlashQLA takes 128-wide heads, not 128 and 64"
     backend.enabled = False

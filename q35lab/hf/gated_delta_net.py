@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import os
 import sys
 import types
 
@@ -244,6 +245,8 @@ def flash_qla_problem(gdn: torch.nn.Module) -> str | None:
         return "FlashQLA is not installed (pip install flash-qla, which brings tilelang)"
     if not FlashQLABackend().is_enabled():
         return "FlashQLA is installed but turned off (FLA_FLASH_QLA=0)"
+    if os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") == "1":  # fla reads it once, at import: no backend runs
+        return "fla's backends are turned off (FLA_DISABLE_BACKEND_DISPATCH=1)"
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
     if capability is not None and capability not in FLASH_QLA_TRAINS_ON:
         return f"FlashQLA trains only on SM90/SM100/SM103, not on this SM{capability[0]}{capability[1]}"

@@ -100,13 +100,13 @@ def delta_rule_core(gdn: torch.nn.Module) -> str:
                else "pip install flash-linear-attention (on Hopper with Triton >= 3.7.1)")
         return (f"transformers' PyTorch fallback, far slower than fla's (`python -m q35lab bench delta_rule` "
                 f"measures both): {fix}")
+    qla = flash_qla_problem(gdn)
+    if qla is None:  # FlashQLA's path runs none of fla's Triton kernels: fla#640's guard is not on it
+        return "flash-linear-attention's chunk_gated_delta_rule, which runs FlashQLA's fused kernels (bf16/fp16 calls)"
     hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
     if hopper and not triton_at_least((3, 7, 1)):
         return ("flash-linear-attention's, whose backward refuses Hopper with this Triton (< 3.7.1, fla#640): "
                 "install Triton 3.7.1 (or torch >= 2.12.1)")
-    qla = flash_qla_problem(gdn)
-    if qla is None:
-        return "flash-linear-attention's chunk_gated_delta_rule, which runs FlashQLA's fused kernels (bf16/fp16 calls)"
     return f"flash-linear-attention's chunk_gated_delta_rule, its Triton kernels: {qla}"
 
 
