@@ -1,12 +1,17 @@
 """LoRA on the routed experts (q35lab.routed_experts with gate_up_lora/down_lora) against PEFT's
 dense W + s·B·A by the numerics rule, and the patch that routes PEFT's ParamWrapper through it."""
 
+import copy
+import pickle
+
 import pytest
 import torch
 
+import q35lab
 from q35lab.numerics import compare, scaled_atol
 from q35lab.ops import routed_experts as ops
 from q35lab.runtime import device
+from tiny_models import assert_same_loss_and_grads, count_forward_calls, loss_and_grads, moe_causal_lm
 
 peft = pytest.importorskip("peft")
 
@@ -166,3 +171,119 @@ def test_no_second_derivative():
     (da,) = torch.autograd.grad(out.square().sum(), a, create_graph=True)
     with pytest.raises(RuntimeError, match="no second derivative"):
         da.sum().backward()
+
+
+# ---------------------------------------------------------------------------------------------
+# The patch: PEFT's ParamWrappers on the experts, routed through the op.
+# ---------------------------------------------------------------------------------------------
+ONLY_EXPERTS = dict(rms_norm=False, gated_norm=False, lora=False, in_proj=False, flce=False, conv=False, swiglu=False,
+                    varlen_attention=False)
+
+
+def _peft_expert_lora(targets=TARGETS, base=None, **config):
+    """A tiny MoE model (``base``, else a fresh one), LoRA r=4 on every linear layer and on the
+    experts' parameters, B non-zero (fp32 weights: the comparison with PEFT is then tight)."""
+    model = peft.get_peft_model(moe_causal_lm() if base is None else base, peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", target_parameters=targets, **config))
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+    return model
+
+
+def _ids():
+    return torch.randint(0, 128, (2, 11), device=device())
+
+
+def test_patched_model_same_loss_and_every_lora_gradient(monkeypatch):
+    model = _peft_expert_lora()
+    ids = _ids()
+    reference = loss_and_grads(model, ids)
+    assert any("experts" in name and "lora_A" in name for name in reference[1])
+    report = q35lab.apply_to_qwen3_5(model, **ONLY_EXPERTS)
+    assert report.replaced["PEFT ParamWrapper (routed experts' LoRA)"] == 2, report
+    calls = count_forward_calls(monkeypatch, ops.LoRAGroupedLinear)
+    dense = []
+    monkeypatch.setattr(torch, "baddbmm", lambda *a, **k: dense.append(1))  # PEFT's W + s·B·A: never built
+    ours = loss_and_grads(model, ids)
+    assert len(calls) == 4 and not dense  # gate/up and down in each of the 2 MoE layers
+    assert_same_loss_and_grads(ours, reference, rtol=1e-4, atol=1e-6)
+    assert q35lab.revert(model).reverted["PEFT ParamWrapper (routed experts' LoRA)"] == 2
+    assert all("forward" not in vars(m) for m in model.modules())
+    monkeypatch.undo()
+    assert_same_loss_and_grads(loss_and_grads(model, ids), reference, rtol=1e-5, atol=1e-6)  # PEFT's forward again
+
+
+def test_one_targeted_parameter():
+    model = _peft_expert_lora(targets=["mlp.experts.down_proj"])
+    ids = _ids()
+    reference = loss_and_grads(model, ids)
+    assert q35lab.apply_to_qwen3_5(model, **ONLY_EXPERTS).replaced["PEFT ParamWrapper (routed experts' LoRA)"] == 2
+    assert_same_loss_and_grads(loss_and_grads(model, ids), reference, rtol=1e-4, atol=1e-6)
+
+
+def test_calls_the_op_does_not_compute_run_peft(monkeypatch):
+    """Adapters disabled, two active adapters, merged adapters: PEFT's forward, the same result."""
+    model = _peft_expert_lora()
+    model.add_adapter("other", peft.LoraConfig(r=2, target_modules="all-linear", target_parameters=TARGETS))
+    ids = _ids()
+    q35lab.apply_to_qwen3_5(model, **ONLY_EXPERTS)
+    calls = count_forward_calls(monkeypatch, ops.LoRAGroupedLinear)
+    with model.disable_adapter():
+        model(input_ids=ids)
+    assert not calls
+    model.base_model.set_adapter(["default", "other"])
+    model(input_ids=ids)
+    assert not calls
+    model.base_model.set_adapter("default")
+    model(input_ids=ids)
+    assert len(calls) == 4
+
+
+def test_merged_adapter_and_merge_and_unload():
+    model = _peft_expert_lora()
+    ids = _ids()
+    q35lab.apply_to_qwen3_5(model, **ONLY_EXPERTS)
+    expected = model(input_ids=ids).logits
+    model.merge_adapter()
+    torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-5)
+    model.unmerge_adapter()
+    merged = model.merge_and_unload()
+    assert not any(type(m).__name__ == "ParamWrapper" for m in merged.modules())
+    torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_left_alone_where_the_op_cannot_compute_it():
+    """A wrapper whose adapter has dropout (set after PEFT built it: PEFT refuses it at construction)
+    keeps PEFT's forward, and the report says why."""
+    model = _peft_expert_lora()
+    experts = model.base_model.model.model.layers[0].mlp.experts
+    experts.lora_dropout["default"] = torch.nn.Dropout(0.1)
+    report = q35lab.apply_to_qwen3_5(model, **ONLY_EXPERTS)
+    assert report.replaced["PEFT ParamWrapper (routed experts' LoRA)"] == 1
+    assert report.left_alone == {"PEFT ParamWrapper (routed experts' LoRA): down_proj: adapter dropout (Dropout), "
+                                 "which the op does not apply": 1}
+    assert "forward" not in vars(experts)
+
+
+def test_patched_model_copies_pickles_saves_and_reloads(tmp_path):
+    base = moe_causal_lm()
+    untouched = copy.deepcopy(base)
+    model = _peft_expert_lora(base=base)
+    q35lab.apply_to_qwen3_5(model, **ONLY_EXPERTS)
+    ids = _ids()
+    expected = model(input_ids=ids, labels=ids).loss
+    copied = copy.deepcopy(model)
+    torch.testing.assert_close(copied(input_ids=ids, labels=ids).loss, expected, rtol=0, atol=0)
+    forwards = [vars(m)["forward"] for m in copied.modules() if "_q35lab_expert_lora" in vars(m)]
+    assert len(forwards) == 2 and all(f.module is m for f, m in zip(forwards, (f.module for f in forwards)))
+    assert not any(f.module is m for f in forwards for m in model.modules())  # the copy's own modules
+    loaded = pickle.loads(pickle.dumps(model))
+    torch.testing.assert_close(loaded(input_ids=ids, labels=ids).loss, expected, rtol=0, atol=0)
+    model.save_pretrained(tmp_path)
+    reloaded = peft.PeftModel.from_pretrained(untouched, tmp_path)
+    report = q35lab.apply_to_qwen3_5(reloaded, **ONLY_EXPERTS)
+    assert report.replaced["PEFT ParamWrapper (routed experts' LoRA)"] == 2
+    torch.testing.assert_close(reloaded(input_ids=ids, labels=ids).loss, expected, rtol=1e-5, atol=1e-6)
