@@ -1047,3 +1047,22 @@ def test_checkpointing_variants_plan_the_layers_or_turn_checkpointing_off_and_tr
         assert len(calls) == LAYERS
     with pytest.raises(ValueError, match="tokens_per_step"):
         e2e.prepare(_model(), "q35lab+ckpt_auto")
+
+
+def test_expert_lora_variants_train_lora_on_the_routed_experts():
+    """"<variant>+expert_lora": PEFT's target_parameters on the experts' fused weights besides every
+    linear layer; q35lab routes those wrappers through routed_experts' LoRA terms, the same loss."""
+    def model():
+        return e2e.build("tiny-moe", 1, rank=4, device=device(), dtype=torch.float32, expert_lora=True)
+
+    ids = e2e.toy_corpus(1, 12, 256, seed=2).to(device())
+    peft_model, ours = model(), model()
+    assert e2e.prepare(peft_model, "peft+expert_lora") is None
+    assert any("experts" in n and "lora_A" in n for n, p in peft_model.named_parameters() if p.requires_grad)
+    report = e2e.prepare(ours, "q35lab+expert_lora")
+    assert report.replaced["PEFT ParamWrapper (routed experts' LoRA)"] == 1
+    torch.testing.assert_close(ours(input_ids=ids, labels=ids).loss, peft_model(input_ids=ids, labels=ids).loss,
+                               rtol=1e-4, atol=1e-5)
+    assert {"peft+expert_lora", "peft+liger+expert_lora", "q35lab+expert_lora"} <= set(e2e.VARIANTS)
+    with pytest.raises(ValueError, match="expert_lora: expected a MoE size"):
+        e2e.build("tiny", 1, rank=4, device=device(), dtype=torch.float32, expert_lora=True)

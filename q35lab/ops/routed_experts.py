@@ -33,37 +33,69 @@ The expert weights are frozen (a LoRA fine-tune): the grouped GEMMs' backward ma
 gradient only, and no node keeps ``xs`` or ``y`` (``[S, hidden]``) for the backward; the SwiGLU
 node keeps ``gu`` (``[S, 2I]``) and the router's weights.
 
+LoRA on the experts (``gate_up_lora``, ``down_lora``: per-expert factors ``A [E, r, in]``,
+``B [E, out, r]`` and a scaling ``s``, what PEFT's ``target_parameters`` trains) adds a rank-r path
+to a projection, on each expert's rows, without ever forming ``W + s·B·A``::
+
+    ts     = xs · (s·A_e)ᵀ                   grouped GEMM, [S, r]
+    y      = xs · W_eᵀ + ts · B_eᵀ           two grouped GEMMs, summed
+
+    d ts   = dy · B_e                        grouped GEMM with a rank-r output
+    d B_e  = Σ_{s ∈ e} dy[s]ᵀ ts[s]          d A_e = s · Σ_{s ∈ e} d ts[s]ᵀ xs[s]   (grouped over rows)
+    d xs   = dy · W_e + d ts · (s·A_e)
+
+The gate/up node keeps ``x`` (``[T, hidden]``, the layer's input, alive anyway) and gathers ``xs``
+again in backward rather than keeping the K times larger ``xs``; the down node keeps ``h``
+(``[S, I]``); both keep ``ts`` (``[S, r]``). The factors are cast to the expert weights' dtype, as
+PEFT casts them before it adds the delta, and their gradients come back in the factors' dtype.
+
 Layering: ``_gather_rows_kernel``, ``_sum_slots_kernel``, ``_weighted_swiglu_*_kernel`` (Triton)
-→ host functions → ``GatherRows`` / ``SumSlots`` / ``WeightedSwiGLU`` / ``FrozenGroupedLinear``
-(autograd) → ``routed_experts`` (functional), checked against ``routed_experts_ref``.
+→ host functions → ``GatherRows`` / ``SumSlots`` / ``WeightedSwiGLU`` / ``FrozenGroupedLinear`` /
+``LoRAGroupedLinear`` (autograd) → ``routed_experts`` (functional), checked against
+``routed_experts_ref`` (with LoRA: PEFT's dense ``W + s·B·A``, then transformers' loop).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from ._autograd import first_order_only
-from ._checks import check_float_tensor, check_kernel_device
+from ._checks import check_float_tensor, check_kernel_device, check_real, check_same_device
 from ._compile import opaque_to_compile
 from ._launch import RowTiles, row_tiles
 from ._tuned import tuned_config
 
-__all__ = ["Routing", "routing", "routed_experts", "routed_experts_ref", "gather_rows", "sum_slots",
+__all__ = ["ExpertLoRA", "Routing", "routing", "routed_experts", "routed_experts_ref", "gather_rows", "sum_slots",
            "weighted_swiglu", "LaunchConfig", "launch_config"]
+
+
+class ExpertLoRA(NamedTuple):
+    """One projection's LoRA on every expert: its delta is ``scaling · lora_B[e] · lora_A[e]``.
+
+    ``lora_A``: ``[E, r, in]``; ``lora_B``: ``[E, out, r]`` (any strides: PEFT's ``ParamWrapper``
+    gives views of its ``lora_A``/``lora_B`` weights); ``scaling``: ``lora_alpha / r`` (or rsLoRA's)."""
+
+    lora_A: torch.Tensor
+    lora_B: torch.Tensor
+    scaling: float
 
 
 # --------------------------------------------------------------------------------------------
 # The reference: transformers' loop over experts, written out (any dtype, fp64 for the exact answer).
 # --------------------------------------------------------------------------------------------
 def routed_experts_ref(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                       gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
+                       gate_up_proj: torch.Tensor, down_proj: torch.Tensor, *, gate_up_lora: ExpertLoRA | None = None,
+                       down_lora: ExpertLoRA | None = None) -> torch.Tensor:
     """``Σ_k w_k · down_e(silu(gate_e(x)) · up_e(x))`` expert by expert, as transformers' eager
-    ``Qwen3_5MoeExperts`` computes it (every product rounded to the input dtype)."""
+    ``Qwen3_5MoeExperts`` computes it (every product rounded to the input dtype); with LoRA, on the
+    dense ``W + s·B·A`` that PEFT's ``ParamWrapper`` builds in the weights' dtype."""
+    gate_up_proj, down_proj = _peft_dense(gate_up_proj, gate_up_lora), _peft_dense(down_proj, down_lora)
     out = torch.zeros_like(x)
     for expert in range(gate_up_proj.shape[0]):
         token, k = torch.where(top_k_index == expert)
@@ -73,6 +105,15 @@ def routed_experts_ref(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
         y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down_proj[expert])
         out = out.index_add(0, token, (y * top_k_weights[token, k, None]).to(out.dtype))
     return out
+
+
+def _peft_dense(weight: torch.Tensor, lora: ExpertLoRA | None) -> torch.Tensor:
+    """PEFT's parametrization of a targeted 3-D parameter: ``baddbmm(W, B, A, alpha=s)``, the factors
+    cast to ``W``'s dtype, autocast off."""
+    if lora is None:
+        return weight
+    with torch.autocast(device_type=weight.device.type, enabled=False):
+        return torch.baddbmm(weight, lora.lora_B.to(weight.dtype), lora.lora_A.to(weight.dtype), alpha=lora.scaling)
 
 
 # --------------------------------------------------------------------------------------------
@@ -299,21 +340,41 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1)
 
 
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``a[rows of e] · b[e]`` for every expert e (``a``: ``[S, K]``; ``b``: ``[E, K, N]``).
+def _grouped() -> object:
+    return getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
-    On a GPU in bf16 with 16-byte aligned rows, PyTorch's grouped GEMM (one launch for all experts,
-    empty ones skipped); otherwise (fp32, fp16, odd widths, the CPU) one ``mm`` an expert, which
-    reads the offsets on the host."""
-    grouped = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-    if (a.is_cuda and a.dtype == torch.bfloat16 and grouped is not None and _aligned(a) and _aligned(b)
-            and b.shape[2] * a.element_size() % 16 == 0):  # the output's rows too
-        return grouped(a, b, offs=offsets)
+
+def _use_grouped_gemm(a: torch.Tensor, b: torch.Tensor, out_width: int) -> bool:
+    """Whether PyTorch's grouped GEMM runs ``a`` by ``b``: on a GPU in bf16 with 16-byte aligned
+    operands and output rows (one launch for all experts, empty ones skipped). Elsewhere (fp32,
+    fp16, odd widths, the CPU) one ``mm`` an expert runs, which reads the offsets on the host."""
+    return (a.is_cuda and a.dtype == torch.bfloat16 and _grouped() is not None and _aligned(a) and _aligned(b)
+            and out_width * a.element_size() % 16 == 0)
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``a[rows of e] · b[e]`` for every expert e (``a``: ``[S, K]``; ``b``: ``[E, K, N]``)."""
+    if _use_grouped_gemm(a, b, b.shape[2]):
+        return _grouped()(a, b, offs=offsets)
     out = a.new_empty((a.shape[0], b.shape[2]))
     start = 0
     for expert, end in enumerate(offsets.tolist()):
         if end > start:
             torch.mm(a[start:end], b[expert], out=out[start:end])
+        start = end
+    return out
+
+
+def _grouped_mm_over_rows(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``Σ_{s ∈ e} a[s]ᵀ b[s]`` for every expert e (``a``: ``[S, M]``; ``b``: ``[S, N]``): ``[E, M, N]``,
+    zero for an expert without rows. A weight gradient: the grouped GEMM's inner dimension is the rows."""
+    if _use_grouped_gemm(a, b, b.shape[1]):
+        return _grouped()(a.t(), b, offs=offsets)  # a.t(): column-major [M, S], as the kernel takes it
+    out = a.new_zeros((offsets.shape[0], a.shape[1], b.shape[1]))
+    start = 0
+    for expert, end in enumerate(offsets.tolist()):
+        if end > start:
+            torch.mm(a[start:end].t(), b[start:end], out=out[expert])
         start = end
     return out
 
@@ -332,6 +393,48 @@ class FrozenGroupedLinear(torch.autograd.Function):
     def backward(ctx, dy):
         weight, offsets = ctx.saved_tensors
         return _grouped_mm(dy.contiguous(), weight, offsets), None, None
+
+
+class LoRAGroupedLinear(torch.autograd.Function):
+    """``y = xs · W[e]ᵀ + s·(xs · A[e]ᵀ) · B[e]ᵀ`` for each expert's rows ``xs``, with ``W``
+    (``[E, N, K]``) frozen and the factors ``A`` (``[E, r, K]``), ``B`` (``[E, N, r]``) trained (the
+    formulas in the module docstring). ``xs = x[token]`` gathered here when ``token`` is given (the
+    gate/up projection, whose backward then sums over ``slots``), else ``x`` itself (the down one)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, lora_A, lora_B, scaling, offsets, token, slots):
+        # s·A and B in the weights' dtype, contiguous (PEFT's B is a strided view of its lora_B): the
+        # scaling folded into A before its one rounding, so that no [S, r] product is rounded twice
+        a = (lora_A * scaling).to(weight.dtype).contiguous()
+        b = lora_B.to(weight.dtype).contiguous()
+        rows = x if token is None else _gather(x, token)
+        ts = _grouped_mm(rows, a.transpose(-2, -1), offsets)
+        y = _grouped_mm(rows, weight.transpose(-2, -1), offsets)
+        y += _grouped_mm(ts, b.transpose(-2, -1), offsets)
+        ctx.save_for_backward(x, weight, a, b, ts, offsets, token, slots)
+        ctx.scaling, ctx.dtypes = scaling, (lora_A.dtype, lora_B.dtype)
+        return y
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, dy):
+        x, weight, a, b, ts, offsets, token, slots = ctx.saved_tensors
+        dy = dy.contiguous()
+        need_x, _, need_a, need_b = ctx.needs_input_grad[:4]
+        d_a = d_b = dx = None
+        if need_b:
+            d_b = _grouped_mm_over_rows(dy, ts, offsets).to(ctx.dtypes[1])
+        if need_x or need_a:
+            dts = _grouped_mm(dy, b, offsets)
+        if need_a:  # d A = s · Σ d tsᵀ xs, scaled in the factor's dtype (no second rounding in bf16)
+            rows = x if token is None else _gather(x, token)  # gathered again: cheaper than keeping [S, K]
+            d_a = _grouped_mm_over_rows(dts, rows, offsets).to(ctx.dtypes[0]).mul_(ctx.scaling)
+            del rows
+        if need_x:
+            d_rows = _grouped_mm(dy, weight, offsets)
+            d_rows += _grouped_mm(dts, a, offsets)
+            dx = d_rows if token is None else _sum(d_rows, slots)
+        return dx, None, d_a, d_b, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------
@@ -377,14 +480,38 @@ def _check(x, top_k_index, top_k_weights, gate_up_proj, down_proj) -> None:
                         gate_up_proj=gate_up_proj, down_proj=down_proj)
 
 
+def _check_lora(name: str, lora: object, weight: torch.Tensor) -> ExpertLoRA | None:
+    """``lora`` as an ``ExpertLoRA`` whose factors fit ``weight`` (``[E, out, in]``), or None."""
+    if lora is None:
+        return None
+    if not isinstance(lora, tuple) or len(lora) != 3:
+        raise TypeError(f"{name}: expected None or (lora_A, lora_B, scaling) (an ExpertLoRA), got "
+                        f"{type(lora).__name__}{f' of {len(lora)}' if isinstance(lora, tuple) else ''}")
+    lora_A = check_float_tensor(f"{name}.lora_A", lora[0])
+    lora_B = check_float_tensor(f"{name}.lora_B", lora[1])
+    scaling = check_real(f"{name}.scaling", lora[2], what="the LoRA scaling (lora_alpha / r)")
+    experts, out, inner = weight.shape
+    rank = lora_A.shape[1] if lora_A.dim() == 3 else None
+    if lora_A.dim() != 3 or lora_A.shape[0] != experts or lora_A.shape[2] != inner or rank == 0:
+        raise ValueError(f"{name}.lora_A: expected [{experts}, r, {inner}] (experts, rank, in), "
+                         f"got {tuple(lora_A.shape)}")
+    if lora_B.shape != (experts, out, rank):
+        raise ValueError(f"{name}.lora_B: expected {(experts, out, rank)} (experts, out, rank), "
+                         f"got {tuple(lora_B.shape)}")
+    check_same_device(**{f"{name}.lora_A": lora_A, f"{name}.lora_B": lora_B, "the expert weights": weight})
+    return ExpertLoRA(lora_A, lora_B, scaling)
+
+
 @opaque_to_compile
 def routed_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                   gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
+                   gate_up_proj: torch.Tensor, down_proj: torch.Tensor, *, gate_up_lora: ExpertLoRA | None = None,
+                   down_lora: ExpertLoRA | None = None) -> torch.Tensor:
     """A MoE layer's routed experts: ``y_t = Σ_k w_tk · down_e(silu(gate_e(x_t)) · up_e(x_t))``,
-    ``e = top_k_index[t, k]``.
+    ``e = top_k_index[t, k]``; with LoRA, each projection ``x·W_eᵀ + s·(x·A_eᵀ)·B_eᵀ``.
 
     Grouped GEMMs over tokens sorted by expert; computes in the weights' dtype (as transformers
-    casts to it). The expert weights are frozen: gradients flow to ``x`` and ``top_k_weights``.
+    casts to it). The expert weights are frozen: gradients flow to ``x``, ``top_k_weights`` and the
+    LoRA factors (never through a dense ``W + s·B·A``).
 
     Args:
         x (Tensor): ``[T, hidden]``; bf16, fp16 or fp32.
@@ -392,21 +519,32 @@ def routed_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
         top_k_weights (Tensor): ``[T, K]``, the router's weights; bf16, fp16 or fp32.
         gate_up_proj (Tensor): ``[E, 2I, hidden]``, gate rows first; frozen.
         down_proj (Tensor): ``[E, hidden, I]``; frozen.
+        gate_up_lora (ExpertLoRA, optional): ``(lora_A [E, r, hidden], lora_B [E, 2I, r], scaling)``.
+        down_lora (ExpertLoRA, optional): ``(lora_A [E, r, I], lora_B [E, hidden, r], scaling)``.
 
     Returns:
         Tensor: ``[T, hidden]`` of ``x``'s dtype.
 
     Raises:
-        TypeError: a float argument not a bf16/fp16/fp32 tensor, ``top_k_index`` not an integer tensor.
+        TypeError: a float argument not a bf16/fp16/fp32 tensor, ``top_k_index`` not an integer tensor,
+            a LoRA not ``(lora_A, lora_B, scaling)`` or its scaling not a number.
         ValueError: shapes that do not match, an expert id out of range (checked with one host sync),
             trainable expert weights, tensors on different devices.
     """
     _check(x, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    gate_up_lora = _check_lora("gate_up_lora", gate_up_lora, gate_up_proj)
+    down_lora = _check_lora("down_lora", down_lora, down_proj)
     route = routing(top_k_index, gate_up_proj.shape[0])
     dtype = gate_up_proj.dtype
-    rows = gather_rows(x.to(dtype).contiguous(), route)
+    x_in = x.to(dtype).contiguous()
     weights = top_k_weights.reshape(-1)[route.order].to(dtype).contiguous()
-    gate_up = FrozenGroupedLinear.apply(rows, gate_up_proj, route.offsets)
+    if gate_up_lora is None:
+        gate_up = FrozenGroupedLinear.apply(gather_rows(x_in, route), gate_up_proj, route.offsets)
+    else:  # the gather inside the node: its backward gathers again instead of keeping the rows
+        gate_up = LoRAGroupedLinear.apply(x_in, gate_up_proj, *gate_up_lora, route.offsets, route.token, route.slots)
     h = weighted_swiglu(gate_up, weights)
-    y = FrozenGroupedLinear.apply(h, down_proj, route.offsets)
+    if down_lora is None:
+        y = FrozenGroupedLinear.apply(h, down_proj, route.offsets)
+    else:
+        y = LoRAGroupedLinear.apply(h, down_proj, *down_lora, route.offsets, None, None)
     return sum_slots(y, route).to(x.dtype)

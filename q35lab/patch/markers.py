@@ -13,3 +13,5 @@ KEY_HEADS = "_q35lab_key_heads"  # attribute of a GatedDeltaNet whose q/k head r
 MLP = "_q35lab_mlp"  # attribute of an MLP whose forward q35lab computes
 
 EXPERTS = "_q35lab_experts"
+
+EXPERT_LORA = "_q35lab_expert_lora"  # attribute of PEFT's outermost ParamWrapper of the experts that q35lab routes

@@ -48,7 +48,7 @@ from .kernels import breakdown, profile_step
 from .memory import is_out_of_memory, memory_at_peak, out_of_memory_note
 from .model import SIZES, build, config
 from .step import measure, measure_layer
-from .variants import VARIANTS, prepare, report_text
+from .variants import VARIANTS, expert_lora, prepare, report_text
 
 
 def _sizes(args, seen: dict | None = None, budget: float | None = None):
@@ -192,7 +192,8 @@ def _built(args, device):
     """The variant's LoRA model: ``build``'s, or for "unsloth" the same weights through Unsloth's loader
     (``benchmarks/peers/unsloth.py``)."""
     if args.variant != "unsloth":
-        return build(args.size, args.layers, args.rank, device=device, attention=args.attention)
+        return build(args.size, args.layers, args.rank, device=device, attention=args.attention,
+                     expert_lora=expert_lora(args.variant))
     if device.type != "cuda":
         raise ImportError("unsloth: its training path needs a CUDA GPU", name="unsloth (needs a CUDA GPU)")
     return peers.recipe("unsloth").build(args.size, args.layers, args.rank, _longest_asked(args))
@@ -258,8 +259,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="sequence lengths in tokens (8192, 8k), batch 1 (default: 8192 32768)")
     parser.add_argument("--what", default="step", choices=["step", "layer"],
                         help="a whole training step, or one GatedDeltaNet layer forward + backward")
-    parser.add_argument("--size", default="h200", choices=[*SIZES, "h200", "tiny"],
-                        help="model dimensions: a real Qwen3.5 size, 'h200' (the 9B's dims, --layers layers) or 'tiny'")
+    parser.add_argument("--size", default="h200", choices=[*SIZES, "h200", "tiny", "tiny-moe"],
+                        help="model dimensions: a real Qwen3.5 size, 'h200' (the 9B's dims, --layers layers), 'tiny' "
+                        "or 'tiny-moe' (CPU-sized, dense or with 4 routed experts)")
     parser.add_argument("--layers", type=whole_number(1), default=None,
                         help="decoder layers (default: all of a real size's, 4 for 'h200' and 'tiny')")
     parser.add_argument("--compile", action="store_true", help="train torch.compile(model) (variant label +compile)")

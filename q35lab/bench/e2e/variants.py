@@ -52,6 +52,16 @@ VARIANTS = {
     **LONG_CONTEXT,
     **CHECKPOINTING,
 }
+#: The variants that also train LoRA on a MoE's routed experts (PEFT's ``target_parameters`` on the
+#: fused ``gate_up_proj``/``down_proj``, ``model.EXPERT_PARAMETERS``): "<variant>+expert_lora".
+EXPERT_LORA = "+expert_lora"
+VARIANTS.update({f"{name}{EXPERT_LORA}": f"{VARIANTS[name]}; LoRA on the routed experts' gate_up_proj and down_proj too"
+                 for name in ("peft", "peft+liger", "q35lab")})
+
+
+def expert_lora(variant: str) -> bool:
+    """Whether ``variant``'s model trains LoRA on the routed experts as well."""
+    return variant.endswith(EXPERT_LORA)
 
 
 def prepare(model, variant: str, tokens: int | None = None, batch: str | None = None):
@@ -67,6 +77,7 @@ def prepare(model, variant: str, tokens: int | None = None, batch: str | None = 
     a checkout it raises ``peers.RecipeNotFound``."""
     if variant not in VARIANTS:
         raise ValueError(f"variant: expected one of {sorted(VARIANTS)}, got {variant!r}")
+    variant = variant.removesuffix(EXPERT_LORA)  # the model carries the experts' LoRA (build(expert_lora=True))
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if variant.endswith("+no_ckpt"):  # the model comes with checkpointing on (model.build)
         from ...hf import versions
