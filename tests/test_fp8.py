@@ -1,0 +1,147 @@
+"""FP8 (e4m3) base weights: each FP8 GEMM against fp64 within the bound derived from e4m3's rounding
+(``q35lab/ops/fp8.py``), the ops that take an FP8 base, and a patched tiny Qwen3.5 with
+``base_precision="fp8"`` against the bf16-base patched model (values, gradients, a short training run,
+memory, revert).
+
+The bound, per output element of ``c = a·b`` over ``K`` terms, with each operand quantized with
+scale ``s`` (``e(v) = u·|v| + η·s``, u = 2⁻⁴, η = 2⁻¹⁰)::
+
+    |ĉ − c| ≤ B = |a|·e(b) + e(a)·|b| + e(a)·e(b) + (K + 2)·2⁻²⁴·(|a| + e(a))·(|b| + e(b)) + 2⁻⁸·(|c| + …)
+
+computed in fp64 from the operands alone (the scales are the rows' maxima / 448, recomputed here):
+a GEMM that forgot a scale, scaled the wrong dimension, or quantized a whole tensor with one scale
+(rows of very different magnitudes below) fails it.
+"""
+
+import pytest
+import torch
+
+from q35lab.ops.fp8 import (
+    E4M3_MAX,
+    FP8_DTYPE,
+    SUBNORMAL_ERROR,
+    UNIT_ROUNDOFF,
+    dequantize_weight,
+    fp8_input_grad,
+    fp8_linear,
+    fp8_matmul,
+    quantize_rows,
+    quantize_weight,
+)
+
+U, ETA, BF16_ROUNDING = UNIT_ROUNDOFF, SUBNORMAL_ERROR, 2.0**-8
+
+
+def _row_scale(t: torch.Tensor) -> torch.Tensor:
+    amax = t.abs().amax(dim=1)
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+
+
+def _bound(a, e_a, b, e_b, exact):
+    """The derived bound for ``a·b`` (fp64) given the elementwise quantization error bounds of each operand."""
+    K = a.shape[1]
+    quantization = a.abs() @ e_b + e_a @ b.abs() + e_a @ e_b
+    accumulation = (K + 2) * 2.0**-24 * ((a.abs() + e_a) @ (b.abs() + e_b))
+    return quantization + accumulation + BF16_ROUNDING * (exact.abs() + quantization + accumulation)
+
+
+def forward_bound(x64, w64):
+    """``x·Wᵀ``: x quantized per row (s_x[t]), W per output channel (s_W[n])."""
+    e_x = U * x64.abs() + ETA * _row_scale(x64)[:, None]
+    e_w = U * w64.abs() + ETA * _row_scale(w64)[:, None]
+    return _bound(x64, e_x, w64.t(), e_w.t(), x64 @ w64.t())
+
+
+def input_grad_bound(dy64, w64):
+    """``dy·W``: W per output channel (s_W[n]); d = dy ⊙ s_W quantized per row (s_d[t]), so an
+    element of dy carries the error of its d-element divided back by s_W[n]."""
+    s_w = _row_scale(w64)
+    s_d = _row_scale(dy64 * s_w)
+    e_dy = U * dy64.abs() + ETA * s_d[:, None] / s_w[None, :]
+    e_w = U * w64.abs() + ETA * s_w[:, None]
+    return _bound(dy64, e_dy, w64, e_w, dy64 @ w64)
+
+
+def _awkward_rows(T, K, dtype, generator):
+    """Rows whose magnitudes span 2⁻¹²…2¹²: one scale for the whole tensor would flush the small ones."""
+    magnitudes = 2.0 ** torch.linspace(-12, 12, T, dtype=torch.float64)[torch.randperm(T, generator=generator)]
+    return (torch.randn(T, K, generator=generator, dtype=torch.float64) * magnitudes[:, None]).to(dtype)
+
+
+SHAPES = [(1, 16, 16), (37, 64, 48), (130, 96, 80),  # FP8 GEMMs (K, N multiples of 16), odd rows
+          (19, 40, 48), (23, 64, 36), (5, 7, 3)]      # dequantized fallback: K or N not a multiple of 16
+
+
+@pytest.mark.parametrize("T,K,N", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_each_fp8_gemm_within_the_derived_bound(T, K, N, dtype):
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)  # fresh inputs each run
+    x = _awkward_rows(T, K, dtype, g)
+    w = (torch.randn(N, K, generator=g) * 2.0 ** torch.randint(-6, 3, (N, 1), generator=g)).to(dtype)
+    dy = _awkward_rows(T, N, dtype, g)
+    wq, ws = quantize_weight(w)
+    x64, w64, dy64 = x.double(), w.double(), dy.double()
+    y = fp8_matmul(x, wq, ws)
+    assert y.dtype == dtype and y.shape == (T, N)
+    bound = forward_bound(x64, w64)
+    assert ((y.double() - x64 @ w64.t()).abs() <= bound).all(), "forward outside the e4m3 bound"
+    dx = fp8_input_grad(dy, wq, ws)
+    assert dx.dtype == dtype and dx.shape == (T, K)
+    assert ((dx.double() - dy64 @ w64).abs() <= input_grad_bound(dy64, w64)).all(), "dx outside the e4m3 bound"
+    # the bound is a few times e4m3's rounding, not vacuous: far below the product's own size
+    assert (bound <= 0.25 * (x64.abs() @ w64.abs().t()) + 1e-300).all()
+
+
+def test_the_gemm_adds_only_its_output_rounding():
+    """Against the exact product of the quantized operands (fp64): the FP8 GEMM and its scales add no
+    error beyond fp32 accumulation and the one rounding to bf16."""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    x, w = _awkward_rows(45, 64, torch.bfloat16, g), torch.randn(48, 64, generator=g).to(torch.bfloat16)
+    wq, ws = quantize_weight(w)
+    xq, xs = quantize_rows(x)
+    exact = (xq.double() * xs.double()[:, None]) @ (wq.double() * ws.double()[:, None]).t()
+    tolerance = BF16_ROUNDING * exact.abs() + 66 * 2.0**-24 * ((xq.double() * xs.double()[:, None]).abs()
+                                                               @ (wq.double() * ws.double()[:, None]).abs().t())
+    assert ((fp8_matmul(x, wq, ws).double() - exact).abs() <= tolerance).all()
+
+
+def test_a_wrong_scale_fails_the_bound():
+    """The bound is the test of a bug: one per-tensor scale for the activations fails it."""
+    g = torch.Generator().manual_seed(1)
+    x, w = _awkward_rows(64, 64, torch.bfloat16, g), torch.randn(32, 64, generator=g).to(torch.bfloat16)
+    wq, ws = quantize_weight(w)
+    s = x.double().abs().max() / E4M3_MAX
+    xq = (x.double() / s).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+    wrong = torch._scaled_mm(xq, wq.t(), torch.full((64, 1), float(s)), ws[None, :], out_dtype=torch.bfloat16)
+    assert not ((wrong.double() - x.double() @ w.double().t()).abs() <= forward_bound(x.double(), w.double())).all()
+
+
+def test_quantize_weight_per_output_channel():
+    w = torch.randn(20, 33, dtype=torch.bfloat16)
+    w[3] = 0  # a zero row: scale 1, zeros
+    wq, ws = quantize_weight(w)
+    assert wq.dtype == FP8_DTYPE and ws.dtype == torch.float32 and ws.shape == (20,)
+    assert ws[3] == 1 and (wq[3].float() == 0).all()
+    assert (wq.float().abs().amax(dim=1)[ws != 1] == E4M3_MAX).all()  # each row's maximum onto 448
+    rel = (dequantize_weight(wq, ws, torch.float64) - w.double()).abs()
+    assert (rel <= U * w.double().abs() + ETA * ws.double()[:, None]).all()
+
+
+def test_fp8_linear_gradient_and_arguments():
+    x = torch.randn(3, 5, 32, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(48, 32, dtype=torch.bfloat16)
+    bias = torch.randn(48, dtype=torch.bfloat16, requires_grad=True)
+    wq, ws = quantize_weight(w)
+    y = fp8_linear(x, wq, ws, bias)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    torch.testing.assert_close(x.grad, fp8_input_grad(dy.reshape(15, 48), wq, ws).view(3, 5, 32))
+    torch.testing.assert_close(bias.grad, dy.sum((0, 1)))
+    with pytest.raises(TypeError, match=r"^weight: expected dtype torch.float8_e4m3fn"):
+        fp8_linear(x, w, ws)
+    with pytest.raises(TypeError, match=r"^weight_scale: expected dtype torch.float32"):
+        fp8_linear(x, wq, ws.double())
+    with pytest.raises(ValueError, match=r"^weight_scale: expected \[48\]"):
+        fp8_linear(x, wq, ws[:3])
+    with pytest.raises(ValueError, match=r"^weight: expected \[out_features, 32\]"):
+        fp8_linear(x, wq[:, :16], ws)
