@@ -212,3 +212,93 @@ def test_patched_model_forward_and_lora_gradients_close_to_bf16_base():
         error = (grads8[name].double() - grads[name].double()).norm()
         weight_error = (grads_w[name].double() - grads[name].double()).norm()
         assert error <= 4 * weight_error, f"{name}: {error:.3g} against {weight_error:.3g} from the weights alone"
+
+
+def _train(model, steps, lr=3e-2):
+    """AdamW on the adapters over one fixed batch (memorising it: a task whose loss must fall), seeded."""
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def test_training_with_an_fp8_base_follows_the_bf16_base():
+    """The same seeded model and batch, trained with a bf16 and an FP8 base: both losses fall by 15 % at least over
+    60 steps, and the FP8 run ends within 1 % of the bf16 run's final loss (the GPU version:
+    benchmarks/fp8_base_training.py)."""
+    import copy
+
+    import q35lab
+
+    bf16 = _peft_model(rank=8)
+    fp8 = copy.deepcopy(bf16)
+    q35lab.apply_to_qwen3_5(bf16, **TORCH_ONLY)
+    q35lab.apply_to_qwen3_5(fp8, base_precision="fp8", **TORCH_ONLY)
+    losses, losses8 = _train(bf16, 60), _train(fp8, 60)
+    assert losses[-1] < 0.85 * losses[0] and losses8[-1] < 0.85 * losses8[0]
+    assert abs(losses8[-1] - losses[-1]) <= 0.01 * losses[-1], (losses, losses8)
+
+
+def _storage_bytes(model) -> int:
+    """Bytes of the distinct storages behind the model's parameters and buffers."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (*model.parameters(), *model.buffers())}
+    return sum(storages.values())
+
+
+def test_fp8_weights_replace_the_bf16_storage_and_revert_restores_it_bit_for_bit():
+    import q35lab
+    from q35lab.patch.fp8_base import quantizable
+
+    model = _peft_model()
+    originals = {name: p.detach().clone() for name, p in model.named_parameters()}
+    bases = [linear for _, linear in quantizable(model)]
+    params = [linear.weight for linear in bases]
+    weak = [p.untyped_storage()._weak_ref() for p in params]
+    base_bytes = sum(p.numel() * p.element_size() for p in params)
+    before = _storage_bytes(model)
+    q35lab.apply_to_qwen3_5(model, base_precision="fp8")
+    try:
+        # the same Parameter objects, now e4m3; their bf16 storage freed (nothing else holds it)
+        assert all(linear.weight is p and p.dtype == FP8_DTYPE for linear, p in zip(bases, params))
+        assert all(torch.UntypedStorage._expired(w) for w in weak)
+        scales = sum(p.shape[0] * 4 for p in params)
+        assert _storage_bytes(model) == before - base_bytes // 2 + scales
+        assert all(p.grad is None for p in params)
+    finally:
+        for w in weak:
+            torch.UntypedStorage._free_weak_ref(w)
+    report = q35lab.revert(model)
+    assert report.reverted["frozen base weight in FP8 e4m3 (nn.Linear)"] == len(params)
+    for name, p in model.named_parameters():
+        assert p.dtype == originals[name].dtype and torch.equal(p, originals[name]), name
+    assert all("forward" not in vars(linear) and not linear._buffers for linear in bases)
+
+
+def test_patching_twice_and_the_option_checked():
+    import q35lab
+
+    model = _peft_model()
+    q35lab.apply_to_qwen3_5(model, base_precision="fp8")
+    again = q35lab.apply_to_qwen3_5(model, base_precision="fp8")
+    assert again.replaced["frozen base weight in FP8 e4m3 (nn.Linear)"] == 0
+    with pytest.raises(ValueError, match=r"^base_precision: expected None, 'bf16' or 'fp8', got 'fp16'"):
+        q35lab.apply_to_qwen3_5(model, base_precision="fp16")
+    with pytest.raises(TypeError, match=r"^base_precision: expected None, 'bf16' or 'fp8', got bool"):
+        q35lab.apply_to_qwen3_5(model, base_precision=True)
+    assert "base precision" not in q35lab.apply_to_qwen3_5(_peft_model()).runs  # the default changes nothing
+
+
+def test_a_gpu_without_fp8_is_refused_naming_the_argument(monkeypatch):
+    import q35lab
+    from q35lab.ops import fp8
+
+    monkeypatch.setattr(fp8, "fp8_supported", lambda device: False)
+    with pytest.raises(ValueError, match=r"^base_precision: FP8 base weights need a GPU with FP8 tensor cores"):
+        q35lab.apply_to_qwen3_5(_peft_model(), base_precision="fp8")
