@@ -1047,3 +1047,11 @@ def test_checkpointing_variants_plan_the_layers_or_turn_checkpointing_off_and_tr
         assert len(calls) == LAYERS
     with pytest.raises(ValueError, match="tokens_per_step"):
         e2e.prepare(_model(), "q35lab+ckpt_auto")
+
+
+def test_fp8_variant_quantizes_the_base_and_trains_a_step():
+    """q35lab+fp8: apply_to_qwen3_5(base_precision="fp8"); a measured step runs (its time and peak on a GPU)."""
+    model = _model()
+    report = e2e.prepare(model, "q35lab+fp8")
+    assert report.replaced["frozen base weight in FP8 e4m3 (nn.Linear)"] > 0 and "base precision" in report.runs
+    e2e.measure(model, T=16, steps=1, warmup=0)
