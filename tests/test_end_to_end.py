@@ -1066,3 +1066,11 @@ def test_expert_lora_variants_train_lora_on_the_routed_experts():
     assert {"peft+expert_lora", "peft+liger+expert_lora", "q35lab+expert_lora"} <= set(e2e.VARIANTS)
     with pytest.raises(ValueError, match="expert_lora: expected a MoE size"):
         e2e.build("tiny", 1, rank=4, device=device(), dtype=torch.float32, expert_lora=True)
+
+
+def test_fp8_variant_quantizes_the_base_and_trains_a_step():
+    """q35lab+fp8: apply_to_qwen3_5(base_precision="fp8"); a measured step runs (its time and peak on a GPU)."""
+    model = _model()
+    report = e2e.prepare(model, "q35lab+fp8")
+    assert report.replaced["frozen base weight in FP8 e4m3 (nn.Linear)"] > 0 and "base precision" in report.runs
+    e2e.measure(model, T=16, steps=1, warmup=0)

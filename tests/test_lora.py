@@ -326,7 +326,7 @@ def test_compiled_function_is_one_graph_holding_both_custom_ops():
     for ours, theirs in zip(grads, torch.autograd.grad(expected, [args[n] for n in trained])):
         torch.testing.assert_close(ours, theirs)
     assert list(inspect.signature(lora_linear).parameters) == ["x", "weight", "lora_A", "lora_B", "scaling", "bias",
-                                                               "dropout"]
+                                                               "dropout", "weight_scale"]
     assert lora_linear.__name__ == "lora_linear" and lora_linear.__doc__.startswith("``x·Wᵀ + b")
     assert q35lab.lora_linear is lora_linear
 

@@ -32,6 +32,7 @@ NAMES = {
     "q35lab+long": "q35lab + all three options",
     "q35lab+long_context": "q35lab + `long_context=` plan",
     "q35lab+ckpt_auto": "q35lab + `checkpointing='auto'` plan",
+    "q35lab+fp8": "q35lab + FP8 base weights",
     "q35lab+no_ckpt": "q35lab without checkpointing",
     "peft+no_ckpt": "PEFT without checkpointing",
 }

@@ -15,6 +15,7 @@ import torch
 
 from ._checks import check_float_tensor
 from ._prepared import prepared
+from .fp8 import check_fp8_weight, fp8_input_grad, fp8_matmul
 
 __all__ = ["compute_dtype", "row_count", "dropout_mask", "dropped", "cast_factor", "scaled_b", "scaled_product",
            "project_into", "input_grad", "check_scaling", "check_dropout", "check_projection_args"]
@@ -69,13 +70,19 @@ def scaled_product(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tens
     return torch.addmm(out, a, b, beta=0, alpha=scale)
 
 
-def project_into(y2d, x2d, weight, bias, xa, b_scaled) -> None:
+def project_into(y2d, x2d, weight, bias, xa, b_scaled, weight_scale=None) -> None:
     """``y2d = x·Wᵀ + b + xa·b_scaledᵀ`` (``xa`` None: no adapter), in ``x2d``'s dtype.
 
     The adapter's thin GEMM is written first and the base GEMM accumulates onto it (β = 1): the
     compute-bound GEMM reads ``y`` in its epilogue, where a separate addition would be another
-    memory-bound pass over it.
+    memory-bound pass over it. With ``weight_scale`` (an FP8 base, ``fp8.py``) the order turns: the
+    FP8 GEMM cannot accumulate, so it writes ``y`` and the thin GEMM accumulates onto it.
     """
+    if weight_scale is not None:
+        fp8_matmul(x2d, weight, weight_scale, bias, out=y2d)
+        if xa is not None:
+            y2d.addmm_(xa, b_scaled.t())
+        return
     dtype = x2d.dtype
     bias = None if bias is None else bias.to(dtype)
     if xa is None:
@@ -90,10 +97,19 @@ def project_into(y2d, x2d, weight, bias, xa, b_scaled) -> None:
         y2d.addmm_(x2d, weight.to(dtype).t())
 
 
-def input_grad(dy2d, weight, dxa, lora_A, dropout: float = 0.0, seed: int = 0) -> torch.Tensor:
+def input_grad(dy2d, weight, dxa, lora_A, dropout: float = 0.0, seed: int = 0, weight_scale=None) -> torch.Tensor:
     """``dx = dy·W + (dxa·A) ⊙ m/(1 − p)`` (``dxa`` None: no adapter): the adapter's term first
-    (the dropout mask applies to it alone), then the base GEMM accumulates onto it."""
+    (the dropout mask applies to it alone), then the base GEMM accumulates onto it. With
+    ``weight_scale`` (an FP8 base) the FP8 GEMM writes ``dx`` first and the adapter's term is added."""
     dtype = dy2d.dtype
+    if weight_scale is not None:
+        dx = fp8_input_grad(dy2d, weight, weight_scale)
+        if dxa is None:
+            return dx
+        if not dropout:
+            return dx.addmm_(dxa, cast_factor(lora_A, dtype))
+        lora_dx = dxa @ cast_factor(lora_A, dtype)
+        return dx.add_(lora_dx.mul_(dropout_mask(lora_dx, dropout, seed)).div_(1.0 - dropout))
     if dxa is None:
         return dy2d @ weight.to(dtype)
     dx = dxa @ cast_factor(lora_A, dtype)
@@ -126,10 +142,17 @@ def check_dropout(name: str, value: object) -> float:
     return p
 
 
-def check_projection_args(input_name: str, in_features: int, weight, lora_A, lora_B, bias) -> None:
+def check_projection_args(input_name: str, in_features: int, weight, lora_A, lora_B, bias,
+                          weight_scale=None) -> None:
     """``weight [N, in_features]``, ``lora_A [r, in_features]`` with ``lora_B [N, r]`` (both or
-    neither), ``bias [N]``: float tensors, errors naming the argument."""
-    check_float_tensor("weight", weight)
+    neither), ``bias [N]``: float tensors, errors naming the argument. With ``weight_scale``:
+    ``weight`` an FP8 e4m3 base and ``weight_scale`` its fp32 ``[N]`` scales, frozen."""
+    if weight_scale is not None:
+        check_fp8_weight("weight", weight, weight_scale, in_features)
+        if weight.requires_grad:
+            raise ValueError("weight: an FP8 base weight is frozen (requires_grad=False); train it in bf16")
+    else:
+        check_float_tensor("weight", weight)
     if weight.dim() != 2 or weight.shape[1] != in_features:
         raise ValueError(f"weight: expected [out_features, {in_features}] (in_features = last dimension of "
                          f"{input_name}), got {tuple(weight.shape)}")

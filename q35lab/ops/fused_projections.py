@@ -17,6 +17,10 @@ Backward, each ``dy_i`` where autograd hands it over (no ``[T, ΣN]`` copy)::
                                                 thin GEMM, each wide projection accumulating
     dA_i  = dxa_iᵀ·d(x),   dB_i = s_i · dy_iᵀ·xa_i
 
+FP8 bases (each projection's ``weight_scale`` given: an e4m3 weight, ``fp8.py``): ``W`` is the
+concatenated FP8 weights with their scales, and each base GEMM above runs on FP8; having no
+accumulating form, it writes its buffer first and the adapters' thin GEMM accumulates onto it.
+
 Dropout: PEFT draws one mask per projection, so with dropout the adapter GEMMs run per projection
 (each mask regenerated from its seed in backward). The frozen base weights' concatenation is
 cached by ``ConcatCache`` until one of them changes (a new tensor or an in-place update); the
@@ -58,6 +62,7 @@ from ._linear import (
     scaled_product,
 )
 from ._prepared import prepared
+from .fp8 import FP8_DTYPE, check_fp8_weight, dequantize_weight, fp8_input_grad, fp8_matmul
 
 __all__ = ["Projection", "ConcatCache", "pack_rows", "unpack_rows", "fused_lora_projections",
            "fused_lora_projections_ref"]
@@ -74,6 +79,8 @@ class Projection:
         lora_B (Tensor, optional): ``[N, r]``. Default: None.
         scaling (float): the adapter scale, a finite real number. Default: 1.
         dropout (float): the adapter input's dropout probability, in [0, 1). Default: 0.
+        weight_scale (Tensor, optional): ``[N]`` fp32: ``weight`` is an FP8 (e4m3) base with these
+            per-output-channel scales (``q35lab.ops.fp8.quantize_weight``). Default: None.
 
     Raises:
         TypeError: ``scaling`` or ``dropout`` not a real number (a bool, a string or a tensor).
@@ -87,6 +94,7 @@ class Projection:
     lora_B: torch.Tensor | None = None
     scaling: float = 1.0
     dropout: float = 0.0
+    weight_scale: torch.Tensor | None = None
 
     def __post_init__(self):
         check_scaling("scaling", self.scaling)
@@ -151,25 +159,34 @@ class ConcatCache:
         self._value = None  # (weight or a weak reference to a copied weight, bias)
 
     def get(self, projections: list[Projection], dtype: torch.dtype):
-        tensors = [p.weight for p in projections] + [p.bias for p in projections if p.bias is not None]
+        """``(weight, bias)``: the concatenation in ``dtype`` (FP8 weights stay FP8)."""
+        return self.get_scaled(projections, dtype)[:2]
+
+    def get_scaled(self, projections: list[Projection], dtype: torch.dtype):
+        """``(weight, bias, scale)``: ``get``'s and, for FP8 weights, their concatenated scales (else None)."""
+        scales = [p.weight_scale for p in projections if p.weight_scale is not None]
+        tensors = ([p.weight for p in projections] + [p.bias for p in projections if p.bias is not None]
+                   + scales)
         key = (dtype, tuple((id(t), t._version, t.data_ptr()) for t in tensors))
         if key == self._key:
-            weight, bias = self._value
+            weight, bias, scale = self._value
             weight = weight() if isinstance(weight, weakref.ref) else weight
             if weight is not None:
-                return weight, bias
-        weight = rows_of_one_buffer([p.weight for p in projections], dtype)
+                return weight, bias, scale
+        weight_dtype = FP8_DTYPE if scales else dtype  # an FP8 weight is read as stored, never cast
+        weight = rows_of_one_buffer([p.weight for p in projections], weight_dtype)
         copied = weight is None
         if copied:
-            weight = torch.cat([p.weight.detach().to(dtype) for p in projections], dim=0)
+            weight = torch.cat([p.weight.detach().to(weight_dtype) for p in projections], dim=0)
+        scale = torch.cat(scales) if scales else None  # ΣN values: always kept
         bias = None
         if any(p.bias is not None for p in projections):  # ΣN values: always kept
             bias = torch.cat([(p.bias.detach() if p.bias is not None
                                else torch.zeros(p.weight.shape[0], device=weight.device)).to(dtype)
                               for p in projections])
         self._key = key
-        self._value = (weakref.ref(weight) if copied and not self.keep_copies else weight, bias)
-        return weight, bias
+        self._value = (weakref.ref(weight) if copied and not self.keep_copies else weight, bias, scale)
+        return weight, bias, scale
 
 
 def fused_lora_projections_ref(x: torch.Tensor, projections: list[Projection], seeds=None) -> tuple[torch.Tensor, ...]:
@@ -178,18 +195,19 @@ def fused_lora_projections_ref(x: torch.Tensor, projections: list[Projection], s
 
     outs = []
     for i, p in enumerate(projections):
+        weight = p.weight if p.weight_scale is None else dequantize_weight(p.weight, p.weight_scale, x.dtype)
         if p.has_adapter:
             seed = 0 if seeds is None else seeds[i]
-            outs.append(lora_linear_ref(x, p.weight, p.lora_A, p.lora_B, p.scaling, p.bias, p.dropout, seed))
+            outs.append(lora_linear_ref(x, weight, p.lora_A, p.lora_B, p.scaling, p.bias, p.dropout, seed))
         else:
             bias = None if p.bias is None else p.bias.to(x.dtype)
-            outs.append(torch.nn.functional.linear(x, p.weight.to(x.dtype), bias))
+            outs.append(torch.nn.functional.linear(x, weight.to(x.dtype), bias))
     return tuple(outs)
 
 
 class FusedLoRAProjectionsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight_cat, bias_cat, meta, *adapters):
+    def forward(ctx, x, weight_cat, bias_cat, scale_cat, meta, *adapters):
         """meta: (out_features per projection, [(index, scaling, dropout, seed)] per adapter,
         [(first, stop)] projection ranges that share one output buffer)."""
         out_features, lora_meta, buffers = meta
@@ -217,10 +235,12 @@ class FusedLoRAProjectionsFunction(torch.autograd.Function):
         for first, stop in buffers:  # one GEMM per output buffer, over its row block of W
             start, end = offsets[first], offsets[stop]
             bias = None if bias_cat is None else bias_cat[start:end]
-            y = _projected(x2d, weight_cat[start:end], bias, xa, b_block if b_block is None else b_block[start:end])
+            scale = None if scale_cat is None else scale_cat[start:end]
+            y = _projected(x2d, weight_cat[start:end], bias, xa, b_block if b_block is None else b_block[start:end],
+                           scale)
             outputs += [_column_block(y, offsets[i] - start, offsets[i + 1] - start, x.shape[:-1])
                         for i in range(first, stop)]
-        ctx.save_for_backward(x2d, weight_cat, xa, *adapters)
+        ctx.save_for_backward(x2d, weight_cat, scale_cat, xa, *adapters)
         ctx.meta, ctx.offsets, ctx.x_shape = meta, offsets, x.shape
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: no GEMM on zeros
         return tuple(outputs)
@@ -228,7 +248,7 @@ class FusedLoRAProjectionsFunction(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, *grads):
-        x2d, weight_cat, xa, *adapters = ctx.saved_tensors
+        x2d, weight_cat, scale_cat, xa, *adapters = ctx.saved_tensors
         out_features, lora_meta, _ = ctx.meta
         offsets, dtype = ctx.offsets, x2d.dtype
         T = x2d.shape[0]
@@ -236,11 +256,12 @@ class FusedLoRAProjectionsFunction(torch.autograd.Function):
         # [T, ΣN] buffer for a single dy·W GEMM would copy ΣN·T values.
         dys = [None if g is None else g.reshape(T, n).to(dtype) for g, n in zip(grads, out_features)]
         weights = [weight_cat[offsets[i]:offsets[i + 1]] for i in range(len(out_features))]
+        scales = None if scale_cat is None else [scale_cat[offsets[i]:offsets[i + 1]] for i in range(len(out_features))]
         A_list, B_list = adapters[0::2], adapters[1::2]
         xa_list = torch.split(xa, [a.shape[0] for a in A_list], dim=1) if lora_meta else []
         dxa_list = [None if dys[i] is None else dys[i] @ scaled_b(b, s, dtype)  # s_i · dy_i·B_i
                     for (i, s, _, _), b in zip(lora_meta, B_list)]
-        dx = _input_gradient(x2d, dys, weights, lora_meta, A_list, dxa_list)
+        dx = _input_gradient(x2d, dys, weights, lora_meta, A_list, dxa_list, scales)
         adapter_grads = []
         for (i, s, dropout, seed), a, b, xa_i, dxa_i in zip(lora_meta, A_list, B_list, xa_list, dxa_list):
             if dxa_i is None:  # output i was not used: its adapter's gradient is zero
@@ -250,7 +271,7 @@ class FusedLoRAProjectionsFunction(torch.autograd.Function):
             dB = scaled_product(dys[i].t(), xa_i, s).to(b.dtype)
             adapter_grads += [dA, dB]
         dx = dx.view(ctx.x_shape)
-        return (dx, None, None, None, *adapter_grads)
+        return (dx, None, None, None, None, *adapter_grads)
 
 
 #: Projections at most this wide (in_proj_b and in_proj_a: 32) join the adapters' thin GEMM in
@@ -258,14 +279,20 @@ class FusedLoRAProjectionsFunction(torch.autograd.Function):
 NARROW_FEATURES = 256
 
 
-def _input_gradient(x2d, dys, weights, lora_meta, A_list, dxa_list) -> torch.Tensor:
+def _input_gradient(x2d, dys, weights, lora_meta, A_list, dxa_list, scales=None) -> torch.Tensor:
     """``dx = Σ_i dy_i·W_i + Σ_j (dxa_j·A_j) ⊙ m_j/q_j`` in as few passes over ``dx`` as possible.
 
     One GEMM with a thin inner dimension writes dx first — every adapter's ``dxa_j·A_j`` (no
     dropout) and every narrow projection's ``dy_i·W_i``, concatenated along the inner dimension
     (``[T, Σr + Σn_narrow]``: thin); adapters with dropout add their masked term;
     then each wide projection's GEMM accumulates onto dx (β = 1, in its compute-bound epilogue).
+
+    FP8 weights (``scales``): the wide projections' FP8 GEMMs, which cannot accumulate, come first
+    (the second and later added), and the thin GEMM accumulates onto them; a narrow projection
+    joins it with its weight dequantized (at most ``NARROW_FEATURES`` rows).
     """
+    if scales is not None:
+        return _fp8_input_gradient(x2d, dys, weights, lora_meta, A_list, dxa_list, scales)
     dtype = x2d.dtype
     thin, masked, wide = [], [], []  # (left, right) factors; (dxa, A, p, seed); (dy, W)
     for (_, _, dropout, seed), a, dxa in zip(lora_meta, A_list, dxa_list):
@@ -294,10 +321,44 @@ def _input_gradient(x2d, dys, weights, lora_meta, A_list, dxa_list) -> torch.Ten
     return x2d.new_zeros(x2d.shape) if dx is None else dx
 
 
-def _projected(x2d, weight, bias, xa, b_block) -> torch.Tensor:
+def _fp8_input_gradient(x2d, dys, weights, lora_meta, A_list, dxa_list, scales) -> torch.Tensor:
+    dtype = x2d.dtype
+    dx = None
+    thin = []
+    for dy, w, s in zip(dys, weights, scales):
+        if dy is None:
+            continue
+        if w.shape[0] <= NARROW_FEATURES:
+            thin.append((dy, dequantize_weight(w, s, dtype)))
+        else:
+            part = fp8_input_grad(dy, w, s)
+            dx = part if dx is None else dx.add_(part)
+    masked = []
+    for (_, _, dropout, seed), a, dxa in zip(lora_meta, A_list, dxa_list):
+        if dxa is None:
+            continue
+        if dropout:
+            masked.append((dxa, a, dropout, seed))
+        else:
+            thin.append((dxa, cast_factor(a, dtype)))
+    if thin:
+        lefts, rights = zip(*thin)
+        left, right = torch.cat(lefts, dim=1), torch.cat(rights)
+        dx = left @ right if dx is None else dx.addmm_(left, right)
+    for dxa, a, dropout, seed in masked:
+        lora_dx = (dxa @ cast_factor(a, dtype)).mul_(dropout_mask(x2d, dropout, seed)).div_(1.0 - dropout)
+        dx = lora_dx if dx is None else dx.add_(lora_dx)
+    return x2d.new_zeros(x2d.shape) if dx is None else dx
+
+
+def _projected(x2d, weight, bias, xa, b_block, scale=None) -> torch.Tensor:
     """``x·Wᵀ (+ bias) + xa·B̂ᵀ`` for one output buffer: the adapters' thin GEMM (against the
     block-diagonal ``B̂``) written first, the base GEMM accumulating onto it (β = 1, read in its
-    compute-bound epilogue) instead of a memory-bound ``y[:, slice] += …`` per adapter."""
+    compute-bound epilogue) instead of a memory-bound ``y[:, slice] += …`` per adapter. An FP8
+    base (``scale``) writes the buffer first and the thin GEMM accumulates onto it."""
+    if scale is not None:
+        y = fp8_matmul(x2d, weight, scale, bias)
+        return y if b_block is None else y.addmm_(xa, b_block.t())
     if b_block is None:
         return x2d @ weight.t() if bias is None else torch.addmm(bias, x2d, weight.t())
     y = xa @ b_block.t() if bias is None else torch.addmm(bias, xa, b_block.t())
@@ -361,7 +422,10 @@ def _check_projection(i: int, p: object, K: int) -> None:
     name = f"projections[{i}]"
     if not isinstance(p, Projection):
         raise TypeError(f"{name}: expected a q35lab Projection, got {type(p).__name__}")
-    check_float_tensor(f"{name}.weight", p.weight)
+    if p.weight_scale is not None:
+        check_fp8_weight(f"{name}.weight", p.weight, p.weight_scale, K)
+    else:
+        check_float_tensor(f"{name}.weight", p.weight)
     if p.weight.dim() != 2 or p.weight.shape[1] != K:
         raise ValueError(f"{name}.weight: expected [N, {K}] (K = last dimension of x), got {tuple(p.weight.shape)}")
     N = p.weight.shape[0]
@@ -405,7 +469,7 @@ def fused_lora_projections(x: torch.Tensor, projections, *, cache: ConcatCache |
         TypeError: ``x`` or a field not of the expected type (errors name ``projections[i].<field>``),
             ``cache`` not a ``ConcatCache``, ``own_buffer`` not indices.
         ValueError: no projections, shapes that do not match, a trainable base weight, tensors on
-            different devices, an index of ``own_buffer`` out of range.
+            different devices, an index of ``own_buffer`` out of range, FP8 and float base weights mixed.
     """
     check_float_tensor("x", x)
     if x.dim() == 0:
@@ -421,9 +485,11 @@ def fused_lora_projections(x: torch.Tensor, projections, *, cache: ConcatCache |
     K = x.shape[-1]
     for i, p in enumerate(projections):
         _check_projection(i, p, K)
+    if len({p.weight_scale is None for p in projections}) > 1:
+        raise ValueError("projections: expected every base weight FP8 (weight_scale given) or none; got a mix")
     own_buffer = _check_own_buffer(own_buffer, len(projections))
     check_same_device(x=x, **{f"projections[{i}].{field}": t for i, p in enumerate(projections)
-                              for field in ("weight", "bias", "lora_A", "lora_B")
+                              for field in ("weight", "bias", "lora_A", "lora_B", "weight_scale")
                               if (t := getattr(p, field)) is not None})
     adapters, lora_meta = [], []
     for i, p in enumerate(projections):
@@ -433,8 +499,8 @@ def fused_lora_projections(x: torch.Tensor, projections, *, cache: ConcatCache |
             adapters += [p.lora_A, p.lora_B]
             lora_meta.append((i, float(p.scaling), dropout, seed))
     dtype = compute_dtype(x)
-    weight_cat, bias_cat = (cache or ConcatCache()).get(projections, dtype)
+    weight_cat, bias_cat, scale_cat = (cache or ConcatCache()).get_scaled(projections, dtype)
     meta = (tuple(p.weight.shape[0] for p in projections), tuple(lora_meta),
             _output_buffers(len(projections), own_buffer))
     with torch.autocast(device_type=x.device.type, enabled=False):
-        return FusedLoRAProjectionsFunction.apply(x.to(dtype), weight_cat, bias_cat, meta, *adapters)
+        return FusedLoRAProjectionsFunction.apply(x.to(dtype), weight_cat, bias_cat, scale_cat, meta, *adapters)

@@ -57,14 +57,18 @@ from ._linear import (
     scaled_b,
     scaled_product,
 )
+from .fp8 import dequantize_weight
 
 __all__ = ["lora_linear", "lora_linear_ref", "dropout_mask", "lora_linear_fwd", "lora_linear_bwd"]
 
 
-def lora_linear_ref(x, weight, lora_A, lora_B, scaling, bias=None, dropout=0.0, seed=0):
-    """The same math in plain PyTorch, every operand in ``x.dtype`` (the test reference)."""
+def lora_linear_ref(x, weight, lora_A, lora_B, scaling, bias=None, dropout=0.0, seed=0, weight_scale=None):
+    """The same math in plain PyTorch, every operand in ``x.dtype`` (the test reference); an FP8
+    base (``weight_scale`` given) is dequantized first."""
     scaling, dropout = check_scaling("scaling", scaling), check_dropout("dropout", dropout)
     dtype = x.dtype
+    if weight_scale is not None:
+        weight = dequantize_weight(weight, weight_scale, dtype)
     y = torch.nn.functional.linear(x, weight.to(dtype), None if bias is None else bias.to(dtype))
     xa = torch.nn.functional.linear(dropped(x, dropout, seed), lora_A.to(dtype))
     return y + torch.nn.functional.linear(xa, lora_B.to(dtype)) * scaling
@@ -75,10 +79,12 @@ def _seed_value(seed: torch.Tensor | None) -> int:
     return 0 if seed is None else int(seed.item())
 
 
-def lora_linear_fwd(x, weight, bias, lora_A, lora_B, scaling: float, dropout: float, seed: torch.Tensor | None):
+def lora_linear_fwd(x, weight, bias, lora_A, lora_B, scaling: float, dropout: float, seed: torch.Tensor | None,
+                    weight_scale: torch.Tensor | None = None):
     """``(y, xa)``: the output, a new ``[..., N]`` tensor, and ``xa = d(x)·Aᵀ`` ``[T, r]`` (saved
     for the backward); see the module docstring for the math. ``seed``: the dropout mask's, a
-    one-element int64 CPU tensor (None without dropout). The forward custom op runs this."""
+    one-element int64 CPU tensor (None without dropout). ``weight_scale``: ``weight`` is an FP8
+    base with these scales (``fp8.py``). The forward custom op runs this."""
     dtype, T, seed = x.dtype, row_count(x), _seed_value(seed)
     x2d = x.reshape(T, x.shape[-1])
     a, b_scaled = cast_factor(lora_A, dtype), scaled_b(lora_B, scaling, dtype)  # rank-r: cheap casts
@@ -86,13 +92,13 @@ def lora_linear_fwd(x, weight, bias, lora_A, lora_B, scaling: float, dropout: fl
     # Returned in its final shape (written through a [T, N] view): a view made here could not be
     # edited in place by the caller.
     y = torch.empty(*x.shape[:-1], weight.shape[0], dtype=dtype, device=x.device)
-    project_into(y.view(T, weight.shape[0]), x2d, weight, bias, xa, b_scaled)
+    project_into(y.view(T, weight.shape[0]), x2d, weight, bias, xa, b_scaled, weight_scale)
     return y, xa
 
 
 def lora_linear_bwd(dy, x, weight, lora_A, lora_B, xa, scaling: float, dropout: float, seed: torch.Tensor | None,
                     bias_dtype: torch.dtype, needs_x: bool, needs_w: bool, needs_b: bool, needs_a: bool,
-                    needs_bm: bool):
+                    needs_bm: bool, weight_scale: torch.Tensor | None = None):
     """``(dx, dweight, dbias, dlora_A, dlora_B)``, each empty (``[0]``) unless asked for (a custom
     op returns no None); ``dbias`` ``[N]`` in ``bias_dtype``. The backward custom op runs this."""
     dtype, T, seed = x.dtype, row_count(x), _seed_value(seed)
@@ -101,7 +107,7 @@ def lora_linear_bwd(dy, x, weight, lora_A, lora_B, xa, scaling: float, dropout: 
     dxa = dy2d @ scaled_b(lora_B, scaling, dtype)  # [T, r]: s · dy·B
     dx = dA = dB = dW = db = None
     if needs_x:
-        dx = input_grad(dy2d, weight, dxa, lora_A, dropout, seed).view(x.shape)
+        dx = input_grad(dy2d, weight, dxa, lora_A, dropout, seed, weight_scale).view(x.shape)
     if needs_a:
         dA = (dxa.t() @ dropped(x2d, dropout, seed)).to(lora_A.dtype)
     if needs_bm:
@@ -119,14 +125,15 @@ def lora_linear_bwd(dy, x, weight, lora_A, lora_B, xa, scaling: float, dropout: 
 @torch.library.custom_op("q35lab::lora_linear_fwd", mutates_args=())
 def lora_linear_fwd_op(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_A: torch.Tensor, lora_B: torch.Tensor,
-    scaling: float, dropout: float, seed: torch.Tensor | None,
+    scaling: float, dropout: float, seed: torch.Tensor | None, weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(y, xa)``: ``y`` ``[..., N]`` in ``x``'s dtype, ``xa`` ``[T, r]``; ``seed`` None without dropout."""
-    return lora_linear_fwd(x, weight, bias, lora_A, lora_B, scaling, dropout, seed)
+    """``(y, xa)``: ``y`` ``[..., N]`` in ``x``'s dtype, ``xa`` ``[T, r]``; ``seed`` None without dropout;
+    ``weight_scale`` None for a base in a float dtype."""
+    return lora_linear_fwd(x, weight, bias, lora_A, lora_B, scaling, dropout, seed, weight_scale)
 
 
 @lora_linear_fwd_op.register_fake
-def _(x, weight, bias, lora_A, lora_B, scaling, dropout, seed):
+def _(x, weight, bias, lora_A, lora_B, scaling, dropout, seed, weight_scale=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0])), x.new_empty((row_count(x), lora_A.shape[0]))
 
 
@@ -135,16 +142,17 @@ def lora_linear_bwd_op(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor,
     xa: torch.Tensor, scaling: float, dropout: float, seed: torch.Tensor | None, bias_dtype: torch.dtype,
     compute_dx: bool, compute_dweight: bool, compute_dbias: bool, compute_dlora_A: bool, compute_dlora_B: bool,
+    weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, dweight, dbias, dlora_A, dlora_B)``, each empty (``[0]``) unless asked for (a custom
     op returns no None); ``dbias`` ``[N]`` in ``bias_dtype``."""
     return lora_linear_bwd(dy, x, weight, lora_A, lora_B, xa, scaling, dropout, seed, bias_dtype,
-                           compute_dx, compute_dweight, compute_dbias, compute_dlora_A, compute_dlora_B)
+                           compute_dx, compute_dweight, compute_dbias, compute_dlora_A, compute_dlora_B, weight_scale)
 
 
 @lora_linear_bwd_op.register_fake
 def _(dy, x, weight, lora_A, lora_B, xa, scaling, dropout, seed, bias_dtype, compute_dx, compute_dweight,
-      compute_dbias, compute_dlora_A, compute_dlora_B):
+      compute_dbias, compute_dlora_A, compute_dlora_B, weight_scale=None):
     def grad(shape, dtype, wanted):
         return x.new_empty(shape if wanted else (0,), dtype=dtype if wanted else x.dtype)
 
@@ -156,27 +164,27 @@ def _(dy, x, weight, lora_A, lora_B, xa, scaling, dropout, seed, bias_dtype, com
 def _setup_context(ctx, inputs, output):
     """Saves ``x`` (the caller keeps it anyway), the weights, ``xa`` (r values a row) and the seed:
     the dropout mask is regenerated, never stored."""
-    x, weight, bias, lora_A, lora_B, ctx.scaling, ctx.dropout, seed = inputs
+    x, weight, bias, lora_A, lora_B, ctx.scaling, ctx.dropout, seed, weight_scale = inputs
     _, xa = output
     ctx.mark_non_differentiable(xa)
     ctx.set_materialize_grads(False)  # no zeros made for xa's gradient
     ctx.bias_dtype = x.dtype if bias is None else bias.dtype
-    ctx.save_for_backward(x, weight, lora_A, lora_B, xa, seed)
+    ctx.save_for_backward(x, weight, lora_A, lora_B, xa, seed, weight_scale)
 
 
 def _backward(ctx, dy, _dxa):
-    x, weight, lora_A, lora_B, xa, seed = ctx.saved_tensors
+    x, weight, lora_A, lora_B, xa, seed, weight_scale = ctx.saved_tensors
     needs = ctx.needs_input_grad[:5]  # x, weight, bias, lora_A, lora_B
     grads = lora_linear_bwd_op(dy, x, weight, lora_A, lora_B, xa, ctx.scaling, ctx.dropout, seed, ctx.bias_dtype,
-                               *needs)
-    return (*(g if wanted else None for g, wanted in zip(grads, needs)), None, None, None)
+                               *needs, weight_scale)
+    return (*(g if wanted else None for g, wanted in zip(grads, needs)), None, None, None, None)
 
 
 lora_linear_fwd_op.register_autograd(first_order_only(_backward, op="lora_linear"), setup_context=_setup_context)
 torch_bodies((lora_linear_fwd_op, lora_linear_fwd), (lora_linear_bwd_op, lora_linear_bwd))
 
 
-def lora_linear(x, weight, lora_A, lora_B, scaling, bias=None, dropout=0.0):
+def lora_linear(x, weight, lora_A, lora_B, scaling, bias=None, dropout=0.0, *, weight_scale=None):
     """``x·Wᵀ + b + scaling · dropout(x)·Aᵀ·Bᵀ`` as one autograd node, without casting ``x``.
 
     Args:
@@ -189,28 +197,35 @@ def lora_linear(x, weight, lora_A, lora_B, scaling, bias=None, dropout=0.0):
         bias (Tensor, optional): ``[out_features]``. Default: None.
         dropout (float): probability in [0, 1) applied to the adapter's input only (as PEFT); 0
             outside training. Default: 0.
+        weight_scale (Tensor, optional): ``[out_features]`` fp32: ``weight`` is a frozen FP8 (e4m3)
+            base with these per-output-channel scales (``q35lab.ops.fp8.quantize_weight``), and the
+            base GEMMs of the forward and of ``dx`` run on FP8 (the error bound: ``ops/fp8.py``).
+            Default: None (``weight`` in a float dtype).
 
     Returns:
         Tensor: ``[..., out_features]``, a tensor of its own (not a view: it may be edited in place).
         Any size may be zero; the result is then what ``F.linear`` gives.
 
     Raises:
-        TypeError: a tensor argument not a bf16/fp16/fp32 tensor; ``scaling`` or ``dropout`` not a
-            real number (a bool, a string or a tensor).
+        TypeError: a tensor argument not a bf16/fp16/fp32 tensor (with ``weight_scale``: ``weight``
+            not e4m3, ``weight_scale`` not fp32); ``scaling`` or ``dropout`` not a real number (a
+            bool, a string or a tensor).
         ValueError: shapes that do not match, ``lora_A`` without ``lora_B``, tensors on different
-            devices, ``scaling`` not finite, ``dropout`` outside [0, 1).
+            devices, ``scaling`` not finite, ``dropout`` outside [0, 1), an FP8 ``weight`` that
+            requires grad.
     """
     check_float_tensor("x", x)
     for name, t in (("lora_A", lora_A), ("lora_B", lora_B)):
         check_float_tensor(name, t)  # required here (None would read as "no adapter")
-    check_projection_args("x", x.shape[-1] if x.dim() else "?", weight, lora_A, lora_B, bias)
+    check_projection_args("x", x.shape[-1] if x.dim() else "?", weight, lora_A, lora_B, bias, weight_scale)
     scaling, dropout = check_scaling("scaling", scaling), check_dropout("dropout", dropout)
-    check_same_device(x=x, weight=weight, lora_A=lora_A, lora_B=lora_B, **({} if bias is None else {"bias": bias}))
+    optional = {name: t for name, t in (("bias", bias), ("weight_scale", weight_scale)) if t is not None}
+    check_same_device(x=x, weight=weight, lora_A=lora_A, lora_B=lora_B, **optional)
     dtype = compute_dtype(x)
     # the global RNG decides (the draw of an int seed before); kept a tensor, it is no host read in a compiled graph
     seed = torch.randint(0, 2**62, (1,)) if dropout else None
     with torch.autocast(device_type=x.device.type, enabled=False):
-        y, _ = lora_linear_fwd_op(x.to(dtype), weight, bias, lora_A, lora_B, scaling, dropout, seed)
+        y, _ = lora_linear_fwd_op(x.to(dtype), weight, bias, lora_A, lora_B, scaling, dropout, seed, weight_scale)
     return y
 
 

@@ -15,7 +15,7 @@ from ..hf.modules import (
 )
 from ..long_context.tiles import check_tile_tokens, tile_only_above
 from ..ops._checks import check_bool, check_module
-from . import attention, checkpointing, conv, experts, in_proj, long_context_options, lora, loss, mlp, norms
+from . import attention, checkpointing, conv, experts, fp8_base, in_proj, long_context_options, lora, loss, mlp, norms
 from .attention import (
     NAME,
     describe,
@@ -38,10 +38,11 @@ from .report import PatchReport
 
 #: The features in the order they compose: each may wrap what an earlier one installed (the tiled
 #: GatedDeltaNet wraps the conv's forward and calls the fused in_proj; the tiled MLP wraps the fused
-#: SwiGLU; LoRA layers that a fused group computes are not routed). ``revert`` runs them reversed.
-FEATURES = (in_proj.FEATURE, conv.FEATURE, long_context_options.TILED_GDN, mlp.FEATURE, experts.FEATURE,
-            long_context_options.TILED_MLP, loss.FEATURE, norms.FEATURE, lora.FEATURE, attention.FEATURE,
-            long_context_options.OFFLOAD, checkpointing.CHECKPOINTING, attention.BOUNDARIES)
+#: SwiGLU; LoRA layers that a fused group computes are not routed). FP8 base weights come first, so
+#: that the fused groups pack the FP8 weights into one buffer. ``revert`` runs them reversed.
+FEATURES = (fp8_base.FEATURE, in_proj.FEATURE, conv.FEATURE, long_context_options.TILED_GDN, mlp.FEATURE,
+            experts.FEATURE, long_context_options.TILED_MLP, loss.FEATURE, norms.FEATURE, lora.FEATURE,
+            attention.FEATURE, long_context_options.OFFLOAD, checkpointing.CHECKPOINTING, attention.BOUNDARIES)
 
 
 def _record_what_runs(model: torch.nn.Module, report: PatchReport) -> None:
@@ -81,6 +82,7 @@ def apply_to_qwen3_5(
     memory_budget: float | None = None,
     strict: bool = False,
     fused_linear_cross_entropy: bool | None = None,
+    base_precision: str | None = None,
 ) -> PatchReport:
     """Replace a Qwen3.5 model's modules by q35lab's kernels, in place, and report what was done.
 
@@ -138,6 +140,17 @@ def apply_to_qwen3_5(
             ``long_context.CHECKPOINT_MARGIN`` of its total; required for a model on a CPU.
         strict (bool): raise, rather than warn, when ``model`` holds no Qwen3.5 module. Default: False.
         fused_linear_cross_entropy (bool, optional): Liger's name for ``flce``; give one of the two.
+        base_precision (str, optional): "fp8": the frozen base weights of the decoder's projections
+            (q/k/v/o, the GatedDeltaNet's in_proj and out_proj, gate/up/down) quantized once to FP8
+            e4m3 with one scale an output channel, kept instead of their bf16 copy (half the
+            bytes), and their GEMMs in forward, recompute and input gradient run on FP8
+            (``torch._scaled_mm``, activations scaled per row; the error bound: ``q35lab.ops.fp8``).
+            The adapters, norms, attention, the delta rule, the lm head and the loss stay as they
+            are. The original weights are copied to host memory and ``revert`` restores them bit
+            for bit. Needs a CUDA GPU of compute capability 8.9 or more (Ada, Hopper and later);
+            allowed on the CPU, where PyTorch's FP8 GEMM is a slow reference (for tests). Merging
+            adapters into an FP8 base is not supported: revert first. None or "bf16": the weights
+            as they are. Default: None.
 
     Returns:
         PatchReport: the modules replaced, those left alone and why, the flags that did nothing,
@@ -147,12 +160,15 @@ def apply_to_qwen3_5(
         TypeError: ``model`` not a module, a flag not a bool, a tile or ``long_context`` not an int,
             ``offload_checkpoints`` not a number, ``flce`` and ``fused_linear_cross_entropy`` both
             given, ``long_context`` or ``checkpointing`` for a model without a transformers config,
-            ``checkpointing`` not a string, ``tokens_per_step`` not an int, ``memory_budget`` not a number.
+            ``checkpointing`` not a string, ``tokens_per_step`` not an int, ``memory_budget`` not a number,
+            ``base_precision`` not a string.
         ValueError: a tile, ``long_context`` or ``offload_checkpoints`` out of range, ``long_context``
             with the options it plans or on a model that has them, no Qwen3.5 module with ``strict``;
             ``checkpointing`` not None or "auto", ``tokens_per_step`` missing with it or given
             without it, ``memory_budget`` negative, missing for a model on a CPU or given without
-            it, ``checkpointing="auto"`` with the long-context options (given or on the model).
+            it, ``checkpointing="auto"`` with the long-context options (given or on the model);
+            ``base_precision`` not None, "bf16" or "fp8", or "fp8" for weights on a GPU without FP8
+            GEMMs (compute capability below 8.9).
         NotImplementedError: ``long_context`` or ``checkpointing`` for a MoE model.
         RuntimeError: the model is sharded already (FSDP2).
 
@@ -166,6 +182,7 @@ def apply_to_qwen3_5(
     for name, value in flags.items():
         check_bool(name, value)
     flce = _flce_option(flce, fused_linear_cross_entropy)
+    base_precision = fp8_base.base_precision_option(base_precision)
     tiled_mlp, tiled_gdn = tile_option("tiled_mlp", tiled_mlp), tile_option("tiled_gdn", tiled_gdn)
     offload_checkpoints = offload_option(model, offload_checkpoints)
     if long_context is not None:
@@ -178,6 +195,8 @@ def apply_to_qwen3_5(
                              {"tiled_mlp": tiled_mlp, "tiled_gdn": tiled_gdn,
                               "offload_checkpoints": offload_checkpoints, "long_context": long_context})
     refuse_sharded(model, "apply_to_qwen3_5")
+    if base_precision == "fp8":  # before anything is patched
+        fp8_base.check_devices(model)
     if not holds_qwen3_5(model):
         if strict:
             raise ValueError(_not_qwen3_5(model))
@@ -197,7 +216,8 @@ def apply_to_qwen3_5(
             warnings.warn(f"q35lab: checkpointing='auto': {checkpoint_plan}", stacklevel=2)
     options = Options(rms_norm=rms_norm, gated_norm=gated_norm, lora=lora, in_proj=in_proj, flce=flce, conv=conv,
                       swiglu=swiglu, experts=experts, varlen_attention=varlen_attention, tiled_mlp=tiled_mlp,
-                      tiled_gdn=tiled_gdn, offload_checkpoints=offload_checkpoints, checkpointing=checkpoint_plan)
+                      tiled_gdn=tiled_gdn, offload_checkpoints=offload_checkpoints, checkpointing=checkpoint_plan,
+                      base_precision=base_precision)
     report = PatchReport()
     for flag in ("rms_norm", "gated_norm", "lora", "in_proj", "flce", "conv", "swiglu", "experts", "varlen_attention"):
         if not getattr(options, flag):

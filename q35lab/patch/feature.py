@@ -13,7 +13,8 @@ from .report import PatchReport
 @dataclass(frozen=True)
 class Options:
     """``apply_to_qwen3_5``'s switches, checked: a flag each, the tile sizes (None: off), the offload and the
-    checkpointing plan (a ``long_context.CheckpointPlan``; None: the model's checkpointing as it is)."""
+    checkpointing plan (a ``long_context.CheckpointPlan``; None: the model's checkpointing as it is), the frozen
+    base weights' precision ("bf16": as the model holds them; "fp8")."""
 
     rms_norm: bool = True
     gated_norm: bool = True
@@ -28,6 +29,7 @@ class Options:
     tiled_gdn: int | None = None
     offload_checkpoints: float | int = 0
     checkpointing: object = None
+    base_precision: str = "bf16"
 
 
 @dataclass(frozen=True)

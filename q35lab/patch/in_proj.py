@@ -17,6 +17,7 @@ from ..ops.fused_projections import (
     unpack_rows,
 )
 from .feature import Feature
+from .fp8_base import weight_scale
 from .lora import lora_static_problem, unroute_lora
 from .markers import IN_PROJ, LORA_PATCHED
 from .report import PatchReport
@@ -37,22 +38,23 @@ def projection_now(module: torch.nn.Module) -> Projection | None:
     if base_is_trainable(module):  # unfrozen after patching
         return None
     if type(module) is torch.nn.Linear:
-        return Projection(module.weight, module.bias)
+        return Projection(module.weight, module.bias, weight_scale=weight_scale(module))
     base = module.base_layer
+    scale = weight_scale(base)
     if module.disable_adapters and module.merged:  # PEFT's forward unmerges first: only it is exact
         return None
     if module.disable_adapters or module.merged:  # PEFT's forward is then base_layer(x) alone
-        return Projection(base.weight, base.bias)
+        return Projection(base.weight, base.bias, weight_scale=scale)
     active = [name for name in module.active_adapters if name in module.lora_A]
     if len(active) > 1 or (active and active[0] in getattr(module, "lora_variant", {})):
         return None
     if not active:
-        return Projection(base.weight, base.bias)
+        return Projection(base.weight, base.bias, weight_scale=scale)
     name = active[0]
     dropout = module.lora_dropout[name]
     p = dropout.p if isinstance(dropout, torch.nn.Dropout) and dropout.training else 0.0
     return Projection(base.weight, base.bias, module.lora_A[name].weight, module.lora_B[name].weight,
-                      module.scaling[name], p)
+                      module.scaling[name], p, scale)
 
 
 class ProjectionGroup:

@@ -10,6 +10,7 @@ from ..hf.modules import holds_qwen3_5, is_peft_lora_linear, named_children_ever
 from ..ops._checks import check_module
 from ..ops.lora import lora_linear
 from .feature import Feature, Options
+from .fp8_base import weight_scale
 from .markers import IN_PROJ, LORA_PATCHED, MLP
 from .report import PatchReport, override_forward, restore_forward
 
@@ -44,7 +45,7 @@ def _lora_call(layer: torch.nn.Module, x: torch.Tensor, args: tuple, kwargs: dic
     base, dropout = layer.base_layer, layer.lora_dropout[name]
     p = dropout.p if isinstance(dropout, torch.nn.Dropout) and dropout.training else 0.0
     return lora_linear(x, base.weight, layer.lora_A[name].weight, layer.lora_B[name].weight,
-                       layer.scaling[name], base.bias, p)
+                       layer.scaling[name], base.bias, p, weight_scale=weight_scale(base))
 
 
 class _RoutedLoRAForward(Forward):

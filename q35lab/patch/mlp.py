@@ -48,7 +48,7 @@ class _MLPForward(Forward):
         if down is None:
             return mlp.down_proj(swiglu(gate, up, rounding="hf"))
         return swiglu_down(gate, up, down.weight, down.lora_A, down.lora_B, down.scaling, down.bias,
-                                      rounding="hf")
+                           rounding="hf", weight_scale=down.weight_scale)
 
     def _down_now(self, gate: torch.Tensor) -> Projection | None:
         """This call's down projection as a ``Projection`` for ``swiglu_down``, or None when its

@@ -47,6 +47,8 @@ VARIANTS = {
                "get_peft_model on every linear layer, its offloaded gradient checkpointing "
                "(benchmarks/peers/unsloth.py)",
     "q35lab": "PEFT + q35lab.apply_to_qwen3_5, every optimization",
+    "q35lab+fp8": "q35lab with apply_to_qwen3_5(base_precision='fp8'): the decoder's frozen base projections in FP8 "
+                  "e4m3, their GEMMs on FP8",
     **{f"q35lab:{flag}": f"PEFT + q35lab, only {flag}" for flag in ALL_FLAGS},
     **{f"q35lab-{flag}": f"PEFT + q35lab, every optimization but {flag}" for flag in ALL_FLAGS},
     **LONG_CONTEXT,
@@ -100,6 +102,8 @@ def prepare(model, variant: str, tokens: int | None = None, batch: str | None = 
     if variant == "q35lab+ckpt_auto":
         return apply_to_qwen3_5(model, checkpointing="auto", tokens_per_step=tokens,
                                 memory_budget=_cpu_checkpoint_budget(model))
+    if variant == "q35lab+fp8":
+        return apply_to_qwen3_5(model, base_precision="fp8")
     if variant == "q35lab+long_context":
         return apply_to_qwen3_5(model, long_context=max(tokens or 0, PLAN_TOKENS))
     if variant in LONG_CONTEXT:
