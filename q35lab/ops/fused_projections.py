@@ -240,7 +240,9 @@ class FusedLoRAProjectionsFunction(torch.autograd.Function):
                            scale)
             outputs += [_column_block(y, offsets[i] - start, offsets[i + 1] - start, x.shape[:-1])
                         for i in range(first, stop)]
-        ctx.save_for_backward(x2d, weight_cat, scale_cat, xa, *adapters)
+        # the scales only where there are some: saved_tensors holds no None for callers that inspect it
+        ctx.save_for_backward(x2d, weight_cat, xa, *adapters, *(() if scale_cat is None else (scale_cat,)))
+        ctx.fp8 = scale_cat is not None
         ctx.meta, ctx.offsets, ctx.x_shape = meta, offsets, x.shape
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: no GEMM on zeros
         return tuple(outputs)
@@ -248,7 +250,8 @@ class FusedLoRAProjectionsFunction(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, *grads):
-        x2d, weight_cat, scale_cat, xa, *adapters = ctx.saved_tensors
+        x2d, weight_cat, xa, *adapters = ctx.saved_tensors
+        scale_cat = adapters.pop() if ctx.fp8 else None
         out_features, lora_meta, _ = ctx.meta
         offsets, dtype = ctx.offsets, x2d.dtype
         T = x2d.shape[0]
