@@ -86,13 +86,13 @@ def count_forward_calls(monkeypatch, function_class) -> list:
     return calls
 
 
-def recording_backend(graphs: list):
+def recording_backend(graphs: list, inner: str = "aot_eager"):
     """A torch.compile backend that appends each graph Dynamo hands it to ``graphs`` (graph breaks
-    show as several) and runs it with aot_eager."""
+    show as several) and compiles it with the backend ``inner``."""
     from torch._dynamo.backends.registry import lookup_backend
 
     def backend(gm, example_inputs):
         graphs.append(gm)
-        return lookup_backend("aot_eager")(gm, example_inputs)
+        return lookup_backend(inner)(gm, example_inputs)
 
     return backend
