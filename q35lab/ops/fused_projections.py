@@ -297,14 +297,8 @@ def _input_gradient(x2d, dys, weights, lora_meta, A_list, dxa_list, scales=None)
     if scales is not None:
         return _fp8_input_gradient(x2d, dys, weights, lora_meta, A_list, dxa_list, scales)
     dtype = x2d.dtype
-    thin, masked, wide = [], [], []  # (left, right) factors; (dxa, A, p, seed); (dy, W)
-    for (_, _, dropout, seed), a, dxa in zip(lora_meta, A_list, dxa_list):
-        if dxa is None:
-            continue
-        if dropout:
-            masked.append((dxa, a, dropout, seed))
-        else:
-            thin.append((dxa, cast_factor(a, dtype)))
+    thin, masked = _adapter_terms(lora_meta, A_list, dxa_list, dtype)
+    wide = []  # (dy, W)
     for dy, w in zip(dys, weights):
         if dy is None:
             continue
@@ -316,9 +310,7 @@ def _input_gradient(x2d, dys, weights, lora_meta, A_list, dxa_list, scales=None)
     if thin:
         lefts, rights = zip(*thin)
         dx = torch.cat(lefts, dim=1) @ prepared(lambda: torch.cat(rights), "rows", *rights)
-    for dxa, a, dropout, seed in masked:  # the forward's mask for this projection, regenerated
-        lora_dx = (dxa @ cast_factor(a, dtype)).mul_(dropout_mask(x2d, dropout, seed)).div_(1.0 - dropout)
-        dx = lora_dx if dx is None else dx.add_(lora_dx)
+    dx = _add_masked(dx, x2d, masked)
     for dy, w in wide:
         dx = dy @ w if dx is None else dx.addmm_(dy, w)
     return x2d.new_zeros(x2d.shape) if dx is None else dx
@@ -336,7 +328,20 @@ def _fp8_input_gradient(x2d, dys, weights, lora_meta, A_list, dxa_list, scales) 
         else:
             part = fp8_input_grad(dy, w, s)
             dx = part if dx is None else dx.add_(part)
-    masked = []
+    adapter_thin, masked = _adapter_terms(lora_meta, A_list, dxa_list, dtype)
+    thin += adapter_thin
+    if thin:
+        lefts, rights = zip(*thin)
+        left, right = torch.cat(lefts, dim=1), torch.cat(rights)
+        dx = left @ right if dx is None else dx.addmm_(left, right)
+    dx = _add_masked(dx, x2d, masked)
+    return x2d.new_zeros(x2d.shape) if dx is None else dx
+
+
+def _adapter_terms(lora_meta, A_list, dxa_list, dtype) -> tuple[list, list]:
+    """The adapters' shares of dx: ``(thin, masked)``, the (dxa, A) factors of those without dropout
+    (joined into one thin GEMM) and the (dxa, A, p, seed) of those with it (each masked alone)."""
+    thin, masked = [], []
     for (_, _, dropout, seed), a, dxa in zip(lora_meta, A_list, dxa_list):
         if dxa is None:
             continue
@@ -344,14 +349,15 @@ def _fp8_input_gradient(x2d, dys, weights, lora_meta, A_list, dxa_list, scales) 
             masked.append((dxa, a, dropout, seed))
         else:
             thin.append((dxa, cast_factor(a, dtype)))
-    if thin:
-        lefts, rights = zip(*thin)
-        left, right = torch.cat(lefts, dim=1), torch.cat(rights)
-        dx = left @ right if dx is None else dx.addmm_(left, right)
+    return thin, masked
+
+
+def _add_masked(dx, x2d, masked):
+    """``dx`` plus each dropout adapter's share, its forward mask regenerated from the seed."""
     for dxa, a, dropout, seed in masked:
-        lora_dx = (dxa @ cast_factor(a, dtype)).mul_(dropout_mask(x2d, dropout, seed)).div_(1.0 - dropout)
+        lora_dx = (dxa @ cast_factor(a, x2d.dtype)).mul_(dropout_mask(x2d, dropout, seed)).div_(1.0 - dropout)
         dx = lora_dx if dx is None else dx.add_(lora_dx)
-    return x2d.new_zeros(x2d.shape) if dx is None else dx
+    return dx
 
 
 def _projected(x2d, weight, bias, xa, b_block, scale=None) -> torch.Tensor:
